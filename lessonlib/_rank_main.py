@@ -1,0 +1,92 @@
+"""The entry point of every rank that `lessonlib.launch` starts (chapter 1).
+
+`launch` runs `python -m torch.distributed.run ... -m lessonlib._rank_main SCRIPT ARGS...`, so each
+worker starts here and then runs SCRIPT exactly as `python SCRIPT ARGS...` would. Before that it:
+
+- points the rank's file descriptors 1 and 2 at files of its own, so the launcher can show each rank
+  apart (C++ warnings from torch and gloo land there too, since this works below Python);
+- makes SIGUSR1 print every thread's Python stack (faulthandler), so a hung rank can say where it
+  hangs before the launcher kills it; a hard crash (segfault) prints its stack as well;
+- records how the rank ended (exit code, exception, traceback, time) in a small JSON file, which is
+  how `LaunchError` can name the first rank that failed rather than the last one to notice.
+
+The traceback printed for an uncaught exception leaves out this module's frames: it reads exactly as
+it would under bare torchrun.
+"""
+
+import faulthandler
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+
+
+def _write_json(path, data):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)  # atomic: the launcher never reads half a record
+
+
+def _redirect_std_streams(prefix):
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        target = os.open(f"{prefix}.{name}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+
+
+def _script_traceback(exc, script):
+    """The traceback of `exc` starting at the script's first frame (runpy's and ours dropped)."""
+    tb = exc.__traceback__
+    script = os.path.abspath(script)
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != script:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+
+
+def main():
+    run_dir = os.environ["LESSONLIB_RUN_DIR"]
+    rank = int(os.environ.get("RANK", "0"))
+    prefix = os.path.join(run_dir, f"rank{rank}")
+    _redirect_std_streams(prefix)
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    # The deprecated torch.distributed.launch inserts --local-rank=N before the program's arguments,
+    # which here means before SCRIPT; the script must see it first among its own arguments.
+    legacy = [a for a in sys.argv[1:2] if a.startswith(("--local-rank=", "--local_rank="))]
+    rest = sys.argv[1 + len(legacy):]
+    script = rest[0]
+    sys.argv = [script, *legacy, *rest[1:]]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` would set it
+    started = time.time()
+    _write_json(f"{prefix}.start.json", {"rank": rank, "pid": os.getpid(), "time": started})
+
+    record = {"rank": rank, "pid": os.getpid(), "start": started}
+    try:
+        runpy.run_path(script, run_name="__main__")
+        record["exitcode"] = 0
+    except SystemExit as e:
+        code = e.code
+        record["exitcode"] = 0 if code is None else code if isinstance(code, int) else 1
+        if record["exitcode"] != 0:
+            record.update(exc_type="SystemExit", message=str(code), traceback="")
+        record["end"] = time.time()
+        _write_json(f"{prefix}.exit.json", record)
+        raise  # Python prints a string code and exits with it, as usual
+    except BaseException as e:  # noqa: BLE001 - every way out of the script is recorded
+        text = _script_traceback(e, script)
+        sys.stderr.write(text)
+        record.update(exitcode=1, exc_type=type(e).__name__, message=str(e), traceback=text)
+    record["end"] = time.time()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _write_json(f"{prefix}.exit.json", record)
+    sys.exit(record["exitcode"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Process-group setup and teardown for lessons (chapter 1).
+
+    ctx = lessonlib.setup()          # or: with lessonlib.setup() as ctx: ...
+    ctx.rank, ctx.local_rank, ctx.world_size, ctx.is_main, ctx.device
+    lessonlib.teardown()
+
+Reads what torchrun put in the environment, picks the backend from what this machine really has
+(gloo on CPU; nccl only when CUDA is available with a GPU for every local rank), and always passes a
+short `timeout` to `init_process_group`, so a collective that one rank never joins becomes an error
+instead of a hang. Under plain `python lesson.py` it sets up a real process group of one rank (an
+in-memory store), so the same collective calls run unchanged at world size 1.
+"""
+
+import datetime
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = 30.0  # seconds; LESSONLIB_PG_TIMEOUT or setup(timeout=...) overrides it
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits in the job. `group_rank` is the node's index (torchrun's GROUP_RANK)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    group_rank: int
+    backend: str
+    device: torch.device
+    launched: bool  # True under torchrun, False under plain python
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        teardown()
+        return False
+
+
+def pick_backend(local_world_size):
+    """'nccl' when CUDA really works here with a GPU per local rank, else 'gloo'.
+
+    torch.cuda.is_available(), not torch.accelerator.current_accelerator(): the latter names 'cuda'
+    on a CUDA build of torch even when the machine has no GPU.
+    """
+    forced = os.environ.get("LESSONLIB_BACKEND")
+    if forced:
+        return forced
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def _env_int(name, default):
+    value = os.environ.get(name)
+    return default if value is None else int(value)
+
+
+def setup(backend=None, timeout=None):
+    """Join the process group torchrun described (or a one-rank group under plain python)."""
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank, local_world_size = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
+    group_rank = _env_int("GROUP_RANK", 0)
+    backend = backend or pick_backend(local_world_size)
+    timeout = float(timeout if timeout is not None else os.environ.get("LESSONLIB_PG_TIMEOUT", DEFAULT_TIMEOUT))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+        if launched:
+            dist.init_process_group(init_method="env://", **kwargs)
+        else:
+            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    return DistContext(rank, local_rank, world_size, local_world_size, group_rank, backend, device, launched)
+
+
+def teardown():
+    """Leave the process group (safe to call twice, or without setup)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def report(tag, value):
+    """Hand `value` (anything JSON can hold) to the notebook that launched this rank; returns it.
+
+    The launcher collects reports into `run.reports(tag)`, so a notebook can build a table or a plot
+    from what each rank really computed, without parsing printed text. Run directly under torchrun,
+    reports go nowhere: print what a reader should see.
+    """
+    run_dir = os.environ.get("LESSONLIB_RUN_DIR")
+    if run_dir:
+        with open(os.path.join(run_dir, f"rank{os.environ.get('RANK', '0')}.reports.jsonl"), "a") as f:
+            f.write(json.dumps({"tag": tag, "value": value}) + "\n")
+    return value
