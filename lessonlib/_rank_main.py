@@ -6,7 +6,8 @@ worker starts here and then runs SCRIPT exactly as `python SCRIPT ARGS...` would
 - points the rank's file descriptors 1 and 2 at files of its own, so the launcher can show each rank
   apart (C++ warnings from torch and gloo land there too, since this works below Python);
 - makes SIGUSR1 print every thread's Python stack (faulthandler), so a hung rank can say where it
-  hangs before the launcher kills it; a hard crash (segfault) prints its stack as well;
+  hangs before the launcher kills it; SIGTERM (torchrun stopping the other ranks after one failed)
+  prints the stack too and then terminates as usual; a hard crash (segfault) prints its stack as well;
 - records how the rank ended (exit code, exception, traceback, time) in a small JSON file, which is
   how `LaunchError` can name the first rank that failed rather than the last one to notice.
 
@@ -54,6 +55,8 @@ def main():
     _redirect_std_streams(prefix)
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Dumped from C at once, even while blocked in a collective; chain=True then dies as SIGTERM would.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 
     # The deprecated torch.distributed.launch inserts --local-rank=N before the program's arguments,
     # which here means before SCRIPT; the script must see it first among its own arguments.

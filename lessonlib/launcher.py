@@ -98,6 +98,7 @@ class RunResult:
     timed_out: bool = False
     interrupted: bool = False
     leftovers: list = field(default_factory=list)  # processes that outlived the run and were killed
+    agent_pids: list = field(default_factory=list)  # torchrun agent pid per node, in --node-rank order
 
     @property
     def world_size(self):
@@ -156,6 +157,9 @@ class RunResult:
                 lines.append(f"Then rank {r.rank}: {r.status}"
                              + (f", exit code {r.exitcode}" if r.exitcode is not None else "")
                              + (f" ({r.error})" if r.error else ""))
+                if r.status == "terminated" and ("Thread 0x" in r.stderr or "Current thread 0x" in r.stderr):
+                    lines += [f"    where rank {r.rank} was when it was stopped:",
+                              "    " + _stack_dump(r.stderr).replace("\n", "\n    ")]
             lines += [f"--- rank {cause.rank} traceback ---",
                       cause.traceback or _tail(cause.stderr, 30) or "(no traceback: see its stderr)"]
         else:
@@ -513,5 +517,5 @@ def _collect(script, args, nproc, nnodes, run_dir, agents, wall, timeout, timed_
                         r.status = "terminated"  # torchrun stopping the group after another failure
         ranks.append(r)
     return RunResult(script, args, nproc, nnodes, ranks, launcher_output, returncodes, wall, timeout,
-                     timed_out, interrupted, [f"pid {p.pid}" for p in leftovers])
+                     timed_out, interrupted, [f"pid {p.pid}" for p in leftovers], [a.pid for a in agents])
 
