@@ -1,0 +1,145 @@
+"""The book: notebooks are stored without outputs, and one Jupyter Book build executes every chapter.
+
+CI executes each notebook exactly once, through this build (warnings are errors). When a cell fails,
+the test names the notebook, the cell and, through lessonlib's LaunchError, the rank.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
+BUILD_TIMEOUT = 900  # seconds for the whole book; each cell also has execute.timeout in _config.yml
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def tracked_notebooks():
+    """Notebooks in git plus any on disk not yet added: found by pattern, never by a hand-kept list."""
+    found = set((ROOT / "book").glob("*.ipynb"))
+    try:
+        out = subprocess.run(["git", "ls-files", "book/*.ipynb"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=30, check=True).stdout.split()
+        found.update(ROOT / p for p in out)
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        pass
+    return sorted(found)
+
+
+def build_book(book_dir, timeout=BUILD_TIMEOUT):
+    """Run `jupyter-book build` (warnings as errors) in its own session; kill the whole tree on timeout."""
+    cmd = [str(JUPYTER_BOOK), "build", str(book_dir), "-W", "-n", "--keep-going"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"jupyter-book build {book_dir} did not finish in {timeout} s:\n{log[-5000:]}")
+    return proc.returncode, ANSI.sub("", log)
+
+
+def notebook_times(log):
+    """{notebook path: seconds} from myst-nb's 'Executed notebook in N seconds' lines."""
+    return {Path(m.group(1)).resolve(): float(m.group(2))
+            for m in re.finditer(r"^(\S+\.ipynb): Executed notebook in ([\d.]+) seconds", log, re.M)}
+
+
+def explain_failure(log):
+    """Turn a failed build log into: which notebook, which cell (number and source), which error."""
+    parts = []
+    for m in re.finditer(r"An error occurred while executing the following cell:\n-+\n(.*?)\n-+\n(.*?)"
+                         r"(?=\n(?:The above exception|Traceback \(most recent call last\):\n  File \"/.*?jupyter_book)|\Z)",
+                         log, re.S):
+        source, error = m.group(1), m.group(2)
+        path = re.search(r"ExecutionError: (\S+\.ipynb)", log[m.end():] + log)
+        notebook = Path(path.group(1)) if path else None
+        where = f"{notebook}" if notebook else "a notebook"
+        if notebook and notebook.exists():
+            cells = json.loads(notebook.read_text())["cells"]
+            index = next((i for i, c in enumerate(cells) if "".join(c["source"]).strip() == source.strip()), None)
+            if index is not None:
+                where += f", cell {index} (counting from 0, markdown cells included)"
+        lines = error.strip().splitlines()
+        # The cell's own error (a LaunchError names the rank and the root cause) is what matters.
+        start = next((i for i, ln in enumerate(lines) if re.match(r"^\w*(Error|Exception)\b.*:", ln)), 0)
+        parts.append(f"{where} failed:\n{textwrap.indent(source, '    ')}\n" + "\n".join(lines[start:]))
+    warnings = [ln for ln in log.splitlines() if "WARNING:" in ln or "ERROR:" in ln]
+    if warnings:
+        parts.append("Sphinx warnings (treated as errors):\n" + "\n".join(warnings[:30]))
+    return "\n\n".join(parts) or log[-5000:]
+
+
+def test_notebooks_in_git_have_no_outputs():
+    notebooks = tracked_notebooks()
+    assert notebooks, "no notebooks found under book/"
+    dirty = []
+    for path in notebooks:
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if cell["cell_type"] == "code" and (cell.get("outputs") or cell.get("execution_count")):
+                dirty.append(f"{path.relative_to(ROOT)} cell {i}")
+    assert not dirty, "notebooks must be stored without outputs (CI executes them); strip: " + ", ".join(dirty)
+
+
+def test_every_chapter_is_in_the_toc():
+    toc = (ROOT / "book" / "_toc.yml").read_text()
+    missing = [p.stem for p in tracked_notebooks() if not re.search(rf"file:\s*{re.escape(p.stem)}\s*$", toc, re.M)]
+    assert not missing, f"notebooks missing from book/_toc.yml (they would never be built): {missing}"
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT + 60)
+def test_book_builds_and_executes_every_chapter(capsys):
+    rc, log = build_book(ROOT / "book")
+    times = notebook_times(log)
+    with capsys.disabled():
+        print("\nnotebook execution times (book build):")
+        for path, seconds in sorted(times.items()):
+            print(f"  {path.relative_to(ROOT)}: {seconds:.1f} s")
+    assert rc == 0, explain_failure(log)
+    expected = {p.resolve() for p in tracked_notebooks()}
+    assert set(times) == expected, f"executed {sorted(map(str, times))}, expected {sorted(map(str, expected))}"
+    for path in expected:
+        page = ROOT / "_build" / "html" / f"{path.stem}.html"
+        assert page.exists(), f"{page} was not written"
+        executed = json.loads((ROOT / "_build" / "jupyter_execute" / path.name).read_text())
+        errors = [o for c in executed["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
+        assert not errors, f"{path.name} stored error outputs: {errors[:1]}"
+        if "lessonlib.launch(" in path.read_text():
+            assert "lessonlib-run" in page.read_text(), f"{page.name} shows no side-by-side rank output"
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_cell_is_named_with_its_notebook_and_rank(tmp_path):
+    """A deliberately broken mini-book: the report must say which notebook, which cell, which rank."""
+    (tmp_path / "_config.yml").write_text(textwrap.dedent("""
+        title: broken
+        only_build_toc_files: true
+        execute: {execute_notebooks: force, timeout: 120, allow_errors: false, run_in_temp: false}
+        sphinx: {config: {nb_execution_raise_on_error: true, nb_execution_show_tb: true}}
+    """))
+    book = tmp_path / "book"
+    book.mkdir()
+    (book / "_toc.yml").write_text("format: jb-book\nroot: index\nchapters:\n  - file: broken\n")
+    (book / "index.md").write_text("# index\n")
+    cells = [{"cell_type": "markdown", "metadata": {}, "source": "# broken"},
+             {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": "import lessonlib"},
+             {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+              "source": 'lessonlib.launch("lessons/01_launch.py", nproc=2, args=["--fail-rank", "1"], '
+                        'timeout=60, show="none").raise_for_status()'}]
+    nb = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                      "language": "python"}}, "nbformat": 4, "nbformat_minor": 5}
+    (book / "broken.ipynb").write_text(json.dumps(nb))
+    rc, log = build_book(book, timeout=240)
+    assert rc != 0, "a notebook with a failing cell must fail the build"
+    message = explain_failure(log)
+    assert "broken.ipynb" in message, message
+    assert "cell 2" in message, message
+    assert "First failure (root cause): rank 1" in message, message
