@@ -11,7 +11,7 @@ worker starts here and then runs SCRIPT exactly as `python SCRIPT ARGS...` would
 - records how the rank ended (exit code, exception, traceback, time) in a small JSON file, which is
   how `LaunchError` can name the first rank that failed rather than the last one to notice.
 
-The traceback printed for an uncaught exception leaves out this module's frames: it reads exactly as
+It also dies if the torchrun agent dies (`lessonlib._lifeline`). The traceback printed for an uncaught exception leaves out this module's frames: it reads exactly as
 it would under bare torchrun.
 """
 
@@ -23,6 +23,8 @@ import signal
 import sys
 import time
 import traceback
+
+from lessonlib._lifeline import die_with_parent
 
 
 def _write_json(path, data):
@@ -49,6 +51,8 @@ def _script_traceback(exc, script):
 
 
 def main():
+    # If the torchrun agent dies without stopping this rank, the rank must not live on alone.
+    die_with_parent(signal.SIGKILL)
     run_dir = os.environ["LESSONLIB_RUN_DIR"]
     rank = int(os.environ.get("RANK", "0"))
     prefix = os.path.join(run_dir, f"rank{rank}")

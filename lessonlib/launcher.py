@@ -9,7 +9,8 @@ What it guarantees, and how:
 - Input is checked before anything starts; a mistake is a ValueError or FileNotFoundError that says
   what was wrong and what is allowed.
 - torchrun is `python -m torch.distributed.run` with this interpreter, in its own session, with the
-  rendezvous on 127.0.0.1 and port 0 (the kernel picks a free one), so launches never collide.
+  rendezvous on 127.0.0.1 and port 0 (the kernel picks a free one), so launches never collide. It
+  starts through `lessonlib._agent_main`, which only adds that it dies if this process dies.
 - Every rank starts in `lessonlib._rank_main`, which sends its stdout and stderr to files of its own:
   nothing goes through a pipe, so nothing can deadlock however much a rank prints, and torchrun's own
   banner and warnings stay apart from what the ranks printed.
@@ -385,6 +386,7 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
     run_dir = Path(tempfile.mkdtemp(prefix=f"lessonlib-{run_id[:8]}-"))
     world = nproc * nnodes
     child_env = {**os.environ, **env, RUN_ID_VAR: run_id, "LESSONLIB_RUN_DIR": str(run_dir),
+                 "LESSONLIB_LAUNCHER_PID": str(os.getpid()),
                  "PYTHONUNBUFFERED": "1",  # ranks write to files: flush each line for the live view
                  "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if backend:
@@ -398,8 +400,9 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
         t0 = time.monotonic()
         try:
             for node in range(nnodes):
-                cmd = [sys.executable, "-m", "torch.distributed.launch" if launcher != "torchrun"
-                       else "torch.distributed.run", f"--nproc-per-node={nproc}", "--local-addr=127.0.0.1"]
+                # lessonlib._agent_main is torch.distributed.run (or .launch) that dies with this process.
+                cmd = [sys.executable, "-m", "lessonlib._agent_main", *(["--legacy"] if launcher != "torchrun" else []),
+                       f"--nproc-per-node={nproc}", "--local-addr=127.0.0.1"]
                 if nnodes == 1:
                     cmd += ["--standalone"]
                 elif rendezvous == "c10d":
