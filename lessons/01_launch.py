@@ -29,7 +29,7 @@ TORCHRUN_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
 # [start: read_env]
 def read_env():
     """The variables torchrun sets for this process (None where unset, e.g. under plain python)."""
-    env = {k: os.environ.get(k) for k in TORCHRUN_VARS}
+    env = {k: os.environ.get(k) for k in [*TORCHRUN_VARS, "OMP_NUM_THREADS"]}
     env["PID"] = os.getpid()
     env["PPID"] = os.getppid()  # under torchrun: the torchrun agent of this node
     return env
@@ -48,6 +48,8 @@ def check_env(ctx, env, everyone):
         assert 0 <= ctx.local_rank < ctx.local_world_size, f"rank {ctx.rank}: LOCAL_RANK out of range"
         expected = ctx.group_rank * ctx.local_world_size + ctx.local_rank
         assert ctx.rank == expected, f"rank {ctx.rank}: GROUP_RANK*LOCAL_WORLD_SIZE+LOCAL_RANK = {expected}"
+    # The names are upper case: os.environ["local_rank"] (as some tutorials write) is a KeyError.
+    assert "local_rank" not in os.environ, "lower-case local_rank is set: something non-standard launched this"
     # Ranks on one node (same GROUP_RANK) share a parent: that node's torchrun agent.
     by_node = {}
     for e in everyone:
