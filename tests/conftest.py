@@ -1,0 +1,103 @@
+"""Shared fixtures: after every test, prove that no process of a launch outlived it.
+
+`lessonlib.launch` promises that no process of a run survives the run, whatever the outcome (ok,
+failure, timeout, interrupt). Workers and their children live in sessions of their own and are
+reparented to init when their parent dies, so "children of this test process" would miss exactly
+the processes that leak. Instead, every process this test session starts inherits SESSION_VAR in its
+environment, and a process is ours if it carries that value (or is still our descendant).
+"""
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lessonlib.launcher import RUN_ID_VAR
+
+ROOT = Path(__file__).resolve().parent.parent
+SESSION_VAR = "COURSE_TESTS_SESSION"  # not LESSONLIB_*: that prefix is the launcher's own
+SESSION_ID = os.environ.setdefault(SESSION_VAR, uuid.uuid4().hex)  # set at import: before any test spawns
+LAUNCH_MARKS = ("torch.distributed.run", "torch.distributed.launch", "lessonlib._rank_main")
+LEAK_GRACE = 2.0  # seconds a process that was just killed gets to finish dying before it counts as leaked
+
+
+def _is_ours(proc, me):
+    try:
+        if proc.environ().get(SESSION_VAR) == SESSION_ID:
+            return True
+        return any(p.pid == me for p in proc.parents())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+        return False
+
+
+def _looks_like_launch(proc):
+    try:
+        if RUN_ID_VAR in proc.environ():
+            return True
+        cmdline = " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+        return False
+    return any(mark in cmdline for mark in LAUNCH_MARKS)
+
+
+def stray_processes(match=_looks_like_launch):
+    """Live (non-zombie) processes started by this test session that `match` accepts."""
+    me, found = os.getpid(), []
+    for proc in psutil.process_iter():
+        if proc.pid == me:
+            continue
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if match(proc) and _is_ours(proc, me):
+            found.append(proc)
+    return found
+
+
+def _describe(proc):
+    try:
+        return f"pid {proc.pid} (ppid {proc.ppid()}): {' '.join(proc.cmdline())[:200]}"
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return f"pid {proc.pid} (gone while being described)"
+
+
+def kill_processes(procs):
+    for proc in procs:
+        try:
+            proc.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    psutil.wait_procs(procs, timeout=5)
+
+
+def leaked_processes(match=_looks_like_launch, grace=LEAK_GRACE):
+    """stray_processes(match) that are still alive after `grace` seconds."""
+    deadline = time.monotonic() + grace
+    while True:
+        found = stray_processes(match)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    """Fail the test if any process of a launch it started is still alive after it."""
+    yield
+    leaked = leaked_processes()
+    if leaked:
+        text = "\n".join(_describe(p) for p in leaked)
+        kill_processes(leaked)  # so the tests after this one start clean
+        pytest.fail(f"{len(leaked)} process(es) of a launch outlived the test (now killed):\n{text}",
+                    pytrace=False)
+
+
+@pytest.fixture
+def leak_scan():
+    """The scan the autouse fixture runs, for tests that check it (and the launcher) directly."""
+    return stray_processes

@@ -1,0 +1,359 @@
+"""lessonlib.launch with real torchrun, real ranks and real gloo: capture, failure, hangs, input checks.
+
+Every launch here costs seconds on a 2-core machine, so one launch serves several assertions where the
+assertions are about the same run (module-scoped fixtures).
+"""
+
+import html
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+
+import lessonlib
+from lessonlib.launcher import RUN_ID_VAR
+
+ROOT = Path(__file__).resolve().parent.parent
+HELPERS = Path(__file__).resolve().parent / "helpers"
+PRINT_LINES = HELPERS / "print_lines.py"
+HANG = HELPERS / "hang.py"
+LAUNCH_LESSON = "lessons/01_launch.py"
+LEGACY_LESSON = "lessons/01_legacy_launch.py"
+CAPTURE_LINES = 25
+
+
+def marker_line(path, marker):
+    """The 1-based number of the line of `path` that contains `marker` (exactly one must)."""
+    hits = [i for i, line in enumerate(Path(path).read_text().splitlines(), 1) if marker in line]
+    assert len(hits) == 1, f"{path}: expected one line with {marker!r}, found {hits}"
+    return hits[0]
+
+
+def expected_lines(rank, stream, n):
+    return [f"rank {rank} {stream} {i}" for i in range(n)]
+
+
+def processes_with_env(name, value):
+    """Live, non-zombie processes whose environment has name=value."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(name) == value:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            pass
+    return found
+
+
+def alive_with_env(pids, name, value):
+    """Those of `pids` that still run (non-zombie) and carry name=value (a reused pid would not)."""
+    alive = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(name) == value:
+                alive.append(pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return alive
+
+
+def wait_for_files(paths, timeout, proc=None):
+    """Wait until every path exists; fail after `timeout` seconds or if `proc` exits first."""
+    deadline = time.monotonic() + timeout
+    while not all(Path(p).exists() for p in paths):
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate(timeout=10)
+            pytest.fail(f"launcher process exited {proc.returncode} before the ranks were ready:\n{err}")
+        if time.monotonic() > deadline:
+            missing = [str(p) for p in paths if not Path(p).exists()]
+            pytest.fail(f"not ready after {timeout} s; missing {missing}")
+        time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------- capture and rendering
+
+@pytest.fixture(scope="module")
+def capture_run():
+    run = lessonlib.launch(PRINT_LINES, nproc=2, args=["--lines", CAPTURE_LINES], timeout=90, show="none")
+    assert run.ok, run.describe_failure()
+    return run
+
+
+def test_each_rank_keeps_its_own_lines_in_order(capture_run):
+    for r in capture_run.ranks:
+        html_line = f"rank {r.rank} says <b>&\"bold\"</b>"
+        assert r.stdout.splitlines() == expected_lines(r.rank, "out", CAPTURE_LINES) + [html_line], \
+            f"rank {r.rank} stdout:\n{r.stdout}"
+        assert r.stderr.splitlines() == expected_lines(r.rank, "err", CAPTURE_LINES), \
+            f"rank {r.rank} stderr:\n{r.stderr}"
+
+
+def test_torchrun_banner_is_kept_apart_from_the_ranks(capture_run):
+    assert "OMP_NUM_THREADS" in capture_run.launcher_output, capture_run.launcher_output
+    for r in capture_run.ranks:
+        assert "OMP_NUM_THREADS" not in r.stdout + r.stderr, f"torchrun's banner in rank {r.rank}'s output"
+    # ... and no rank's line leaked into torchrun's own output either.
+    assert "rank 0 out 0" not in capture_run.launcher_output
+
+
+def test_reports_come_back_per_rank(capture_run):
+    assert capture_run.reports("printed") == [(0, {"rank": 0, "lines": CAPTURE_LINES}),
+                                               (1, {"rank": 1, "lines": CAPTURE_LINES})]
+    assert capture_run.reports("no such tag") == []
+
+
+def test_text_and_html_views_show_every_rank(capture_run):
+    text, page = str(capture_run), capture_run._repr_html_()
+    assert text.splitlines()[0].startswith("ok:"), text
+    for r in capture_run.ranks:
+        for line in r.stdout.splitlines():
+            assert f"[rank {r.rank}] {line}" in text
+            assert html.escape(line) in page, f"rank {r.rank} line {line!r} missing from the HTML view"
+        for line in r.stderr.splitlines():
+            assert f"[rank {r.rank}:stderr] {line}" in text
+            assert html.escape(line) in page
+    # Printed markup is shown as text, never interpreted.
+    assert "<b>&" not in page and "&lt;b&gt;&amp;&quot;bold&quot;&lt;/b&gt;" in page
+
+
+@pytest.mark.timeout(180)
+def test_100k_lines_per_rank_complete_and_ordered():
+    n = 100_000
+    run = lessonlib.launch(PRINT_LINES, nproc=2, args=["--lines", n], timeout=120, show="none")
+    assert run.ok, run.describe_failure()
+    assert run.wall_time < 60, f"100k lines per rank took {run.wall_time:.1f} s"
+    for r in run.ranks:
+        out, err = r.stdout.splitlines(), r.stderr.splitlines()
+        assert len(out) == n + 1 and len(err) == n, f"rank {r.rank}: {len(out)} stdout, {len(err)} stderr lines"
+        assert out[:n] == expected_lines(r.rank, "out", n), f"rank {r.rank}: stdout lines lost or out of order"
+        assert err == expected_lines(r.rank, "err", n), f"rank {r.rank}: stderr lines lost or out of order"
+
+
+# --------------------------------------------------------------------------- failures
+
+def test_failing_rank_is_named_as_root_cause():
+    run = lessonlib.launch(LAUNCH_LESSON, nproc=3, args=["--fail-rank", "1"], timeout=90, show="none")
+    assert not run.ok
+    assert 1 in run.failed_ranks
+    assert run.root_cause is not None and run.root_cause.rank == 1, run.describe_failure()
+    assert "failing on purpose" in run.ranks[1].traceback
+    with pytest.raises(lessonlib.LaunchError) as caught:
+        run.raise_for_status()
+    message = str(caught.value)
+    assert re.search(r"First failure \(root cause\): rank 1\b", message), message
+    assert "failing on purpose" in message
+    assert "Traceback (most recent call last)" in message, message
+    assert caught.value.result is run
+
+
+@pytest.fixture(scope="module")
+def hung_run():
+    """A 3-rank run that hangs (rank 1 sleeps, 0 and 2 wait in a barrier, rank 0 has a grandchild),
+    ended by an 8 s timeout."""
+    tag = uuid.uuid4().hex
+    with tempfile.TemporaryDirectory() as ready:
+        t0 = time.monotonic()
+        run = lessonlib.launch(HANG, nproc=3, timeout=8, env={"TEST_TAG": tag, "TEST_READY_DIR": ready},
+                               show="none")
+        elapsed = time.monotonic() - t0
+        ready_files = sorted(os.listdir(ready))
+        grandchild = int((Path(ready) / "grandchild.pid").read_text()) if "grandchild.pid" in ready_files else None
+    return {"run": run, "tag": tag, "elapsed": elapsed, "ready": ready_files, "grandchild": grandchild}
+
+
+def test_timeout_is_reported_and_bounded(hung_run):
+    run = hung_run["run"]
+    # Without this the timeout would have struck during start-up, and the test would prove little.
+    assert hung_run["ready"] == ["grandchild.pid", "rank0.ready", "rank1.ready", "rank2.ready"], hung_run["ready"]
+    assert run.timed_out and not run.ok
+    assert hung_run["elapsed"] < run.timeout + 10, f"timeout 8 s, launch returned after {hung_run['elapsed']:.1f} s"
+    assert run.wall_time < run.timeout + 10
+    assert [r.status for r in run.ranks] == ["hung"] * 3
+    with pytest.raises(lessonlib.LaunchError, match="timed out after 8 s"):
+        run.raise_for_status()
+
+
+def test_timeout_prints_each_hung_ranks_stack(hung_run):
+    run = hung_run["run"]
+    lines = {1: marker_line(HANG, "# HANG-SLEEP"), 0: marker_line(HANG, "# HANG-BARRIER"),
+             2: marker_line(HANG, "# HANG-BARRIER")}
+    for rank, line in lines.items():
+        stderr = run.ranks[rank].stderr
+        assert "most recent call first" in stderr, f"rank {rank} printed no stack:\n{stderr}"
+        assert re.search(rf'hang\.py", line {line} in main', stderr), \
+            f"rank {rank}'s stack does not name hang.py line {line}:\n{stderr}"
+        # The failure message carries the stacks too.
+        assert f"--- rank {rank} stack ---" in run.describe_failure()
+
+
+def test_timeout_kills_the_whole_tree(hung_run, leak_scan):
+    run, tag = hung_run["run"], hung_run["tag"]
+    assert run.leftovers == [], f"the launcher found survivors after its own kill: {run.leftovers}"
+    assert processes_with_env("TEST_TAG", tag) == []
+    pids = [r.pid for r in run.ranks] + run.agent_pids + [hung_run["grandchild"]]
+    assert None not in pids, pids
+    assert alive_with_env(pids, "TEST_TAG", tag) == []
+    assert leak_scan() == []
+
+
+@pytest.mark.timeout(120)
+def test_interrupt_kills_the_run(tmp_path):
+    tag = uuid.uuid4().hex
+    code = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # even if SIGINT was ignored
+        "import lessonlib\n"
+        f"lessonlib.launch({str(HANG)!r}, nproc=2, timeout=120, show='none',\n"
+        f"                 env={{'TEST_TAG': {tag!r}, 'TEST_READY_DIR': {str(tmp_path)!r}}})\n"
+        "print('launch returned instead of raising')\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_files([tmp_path / "rank0.ready", tmp_path / "rank1.ready", tmp_path / "grandchild.pid"],
+                       timeout=60, proc=child)
+        running = processes_with_env("TEST_TAG", tag)
+        assert len(running) >= 4, f"expected agent, 2 ranks and a grandchild; found {running}"
+        os.kill(child.pid, signal.SIGINT)
+        out, err = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate(timeout=10)
+    assert child.returncode != 0, f"exit {child.returncode}\nstdout:\n{out}\nstderr:\n{err}"
+    assert "KeyboardInterrupt" in err, err
+    assert "launch returned" not in out
+    assert processes_with_env("TEST_TAG", tag) == []
+    grandchild = int((tmp_path / "grandchild.pid").read_text())
+    assert alive_with_env([grandchild] + [p.pid for p in running], "TEST_TAG", tag) == []
+
+
+# --------------------------------------------------------------------------- input checks
+
+BAD_INPUTS = [
+    ("nproc=0", dict(nproc=0), ValueError, "nproc"),
+    ("nproc=17", dict(nproc=17), ValueError, "nproc"),
+    ("nproc=2.5", dict(nproc=2.5), ValueError, "int"),
+    ("nproc=True", dict(nproc=True), ValueError, "int"),
+    ("nproc='2'", dict(nproc="2"), ValueError, "int"),
+    ("missing script", dict(script="lessons/99_no_such_lesson.py"), FileNotFoundError, "not found"),
+    ("args as a string", dict(args="--steps 3"), ValueError, "list of strings"),
+    ("env non-str value", dict(env={"MY_FLAG": 1}), ValueError, "must be a str"),
+    ("env reserved RANK", dict(env={"RANK": "0"}), ValueError, "cannot be overridden"),
+    ("env LESSONLIB_ key", dict(env={"LESSONLIB_RUN_ID": "x"}), ValueError, "cannot be overridden"),
+    ("timeout=0", dict(timeout=0), ValueError, "timeout"),
+    ("timeout=-1", dict(timeout=-1), ValueError, "timeout"),
+    ("timeout='10'", dict(timeout="10"), ValueError, "timeout"),
+    ("backend nccl without GPU", dict(backend="nccl"), ValueError, "GPU"),
+    ("backend bogus", dict(backend="bogus"), ValueError, "backend must be one of"),
+    ("launcher bogus", dict(launcher="bogus"), ValueError, "launcher must be one of"),
+    ("show bogus", dict(show="bogus"), ValueError, "show must be one of"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, keyword", [case[1:] for case in BAD_INPUTS],
+                         ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_is_refused_before_anything_starts(kwargs, error, keyword, monkeypatch):
+    if kwargs.get("backend") == "nccl" and list(Path("/dev").glob("nvidia[0-9]*")):
+        pytest.skip("this machine has an NVIDIA GPU, so backend='nccl' is not a bad input here")
+    spawned = []
+    real_popen = psutil.Popen
+
+    def spy(*a, **kw):
+        spawned.append(a[0] if a else kw.get("args"))
+        return real_popen(*a, **kw)
+
+    monkeypatch.setattr(psutil, "Popen", spy)
+    call = {"script": LAUNCH_LESSON, "nproc": 2, "timeout": 30, "show": "none", **kwargs}
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    t0 = time.monotonic()
+    with pytest.raises(error) as caught:
+        lessonlib.launch(call.pop("script"), **call)
+    took = time.monotonic() - t0
+    after = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert keyword in str(caught.value), f"unhelpful message: {caught.value}"
+    assert took < 1.0, f"refusing took {took:.2f} s"
+    assert spawned == [], f"started {spawned} before refusing"
+    assert after <= before, f"new child processes: {after - before}"
+
+
+# --------------------------------------------------------------------------- several launches
+
+@pytest.mark.timeout(240)
+def test_four_concurrent_launches_do_not_collide():
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        runs = list(pool.map(lambda _: lessonlib.launch(LAUNCH_LESSON, nproc=2, timeout=180, show="none"), range(4)))
+    ports = []
+    for run in runs:
+        assert run.ok, run.describe_failure()
+        env = run.reports("env")
+        assert [rank for rank, _ in env] == [0, 1]
+        run_ports = {e["MASTER_PORT"] for _, e in env}
+        assert len(run_ports) == 1, f"ranks of one run disagree on MASTER_PORT: {run_ports}"
+        ports += run_ports
+    assert len(set(ports)) == 4, f"MASTER_PORT per run: {ports}"
+
+
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+def test_two_nodes(rendezvous):
+    run = lessonlib.launch(LAUNCH_LESSON, nproc=2, nnodes=2, rendezvous=rendezvous, timeout=120, show="none")
+    assert run.ok, run.describe_failure()
+    assert run.world_size == 4 and len(run.ranks) == 4 and len(run.agent_pids) == 2
+    env = dict(run.reports("env"))
+    assert sorted(env) == [0, 1, 2, 3]
+    # torchrun's static rendezvous uses --node-rank; c10d ranks nodes by their sorted descriptors
+    # (addr, agent pid, local id), and every agent here has the address 127.0.0.1.
+    order = run.agent_pids if rendezvous == "static" else sorted(run.agent_pids)
+    for rank, e in env.items():
+        assert e["PPID"] in run.agent_pids, f"rank {rank}'s parent {e['PPID']} is not an agent {run.agent_pids}"
+        group_rank = int(e["GROUP_RANK"])
+        assert group_rank == order.index(e["PPID"]), f"{rendezvous}: rank {rank} env {e}, agents {run.agent_pids}"
+        assert rank == group_rank * 2 + int(e["LOCAL_RANK"]), e
+    per_agent = [sum(e["PPID"] == pid for e in env.values()) for pid in run.agent_pids]
+    assert per_agent == [2, 2], per_agent
+    assert len({e["MASTER_PORT"] for e in env.values()}) == 1
+
+
+def test_legacy_launcher_passes_local_rank_argument():
+    run = lessonlib.launch(LEGACY_LESSON, nproc=2, args=["--expect-argv"], launcher="torch.distributed.launch",
+                           timeout=90, show="none")
+    assert run.ok, run.describe_failure()
+    got = run.reports("local_rank")
+    assert [rank for rank, _ in got] == [0, 1]
+    for rank, sources in got:
+        assert sources["argv"] == sources["env"] == rank, sources
+    assert "FutureWarning" in run.launcher_output, run.launcher_output
+    assert all("FutureWarning" not in r.stderr for r in run.ranks)
+
+
+def test_lesson_runs_under_plain_python():
+    done = subprocess.run([sys.executable, LAUNCH_LESSON], cwd=ROOT, capture_output=True, text=True, timeout=90,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("LESSONLIB_")})
+    assert done.returncode == 0, done.stderr
+    assert "all 1 ranks agree" in done.stdout, done.stdout
+
+
+# --------------------------------------------------------------------------- the leak check itself
+
+def test_leak_scan_sees_a_marked_process(leak_scan):
+    """The autouse leak check must be able to fail: a process carrying the run marker is found."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                               env={**os.environ, RUN_ID_VAR: "leak-scan-check"}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while sleeper.pid not in {p.pid for p in leak_scan()}:
+            assert time.monotonic() < deadline, "the leak scan did not see a process carrying the run marker"
+            time.sleep(0.05)
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=10)
+    assert sleeper.pid not in {p.pid for p in leak_scan()}
