@@ -22,6 +22,7 @@ What it guarantees, and how:
 """
 
 import codecs
+import contextlib
 import json
 import os
 import re
@@ -393,7 +394,8 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
         child_env["LESSONLIB_BACKEND"] = backend
     view = make_view(show, shown, args, nproc, nnodes)
 
-    with reserve_port() as port:
+    # Several agents must be told one rendezvous port in advance; a single --standalone agent picks its own.
+    with reserve_port() if nnodes > 1 else contextlib.nullcontext() as port:
         agents, agent_files = [], []
         tails = {(r, s): _Tail(run_dir / f"rank{r}.{s}") for r in range(world) for s in ("stdout", "stderr")}
         timed_out = interrupted = False
