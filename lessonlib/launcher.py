@@ -50,8 +50,10 @@ RENDEZVOUS = ("c10d", "static")
 SHOW = ("auto", "html", "text", "none")
 RUN_ID_VAR = "LESSONLIB_RUN_ID"
 # torchrun sets these for each rank; a value passed in `env` would be silently overwritten.
+# PYTHONUNBUFFERED is lessonlib's: the live view needs every line flushed. (PYTHONPATH in `env` is kept,
+# after the course root.)
 RESERVED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                "GROUP_WORLD_SIZE", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
+                "GROUP_WORLD_SIZE", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONUNBUFFERED")
 STACK_DUMP_GRACE = 2.0  # seconds a hung rank gets to print its stack before it is killed
 
 
@@ -117,12 +119,17 @@ class RunResult:
 
     @property
     def root_cause(self):
-        """The rank whose failure came first: the earliest recorded exit with a nonzero code."""
+        """The rank whose failure came first.
+
+        A rank that failed only because a peer vanished ("Connection closed by peer") is a victim, so
+        ranks that failed on their own come first; among those, the earliest to end. End times come
+        from each rank's exit record or, for a rank that died without one (os._exit, a signal), from
+        when the launcher saw its process disappear.
+        """
         failed = [r for r in self.ranks if r.status == "failed"]
-        timed = [r for r in failed if r.end is not None]
-        if timed:
-            return min(timed, key=lambda r: r.end)
-        return failed[0] if failed else None
+        if not failed:
+            return None
+        return min(failed, key=lambda r: (_is_collateral(r), r.end if r.end is not None else float("inf")))
 
     def reports(self, tag):
         """Values that ranks published with `lessonlib.report(tag, value)`, as [(rank, value), ...]."""
@@ -140,6 +147,9 @@ class RunResult:
         if self.timed_out or self.interrupted:
             what = f"timed out after {self.timeout:g} s" if self.timed_out else "was interrupted"
             stuck = [r for r in self.ranks if r.status in ("hung", "interrupted")]
+            if not stuck:
+                return (f"{self.script} {what} before any rank had started its script (torchrun was "
+                        f"still starting; everything was killed). torchrun said:\n{_tail(self.launcher_output, 30)}")
             lines = [f"{self.script} {what}; rank(s) {_list(r.rank for r in stuck)} were still "
                      "running and were killed. Their Python stacks at that moment:"]
             for r in stuck:
@@ -183,6 +193,14 @@ class RunResult:
         return render_text(self)
 
 
+COLLATERAL = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Socket closed|recvValue failed", re.I)
+
+
+def _is_collateral(rank):
+    """True when a rank's error only says that another rank went away."""
+    return bool(COLLATERAL.search(rank.error or ""))
+
+
 def _list(items):
     return ", ".join(str(i) for i in items)
 
@@ -202,12 +220,14 @@ def _stack_dump(stderr):
 
 # --------------------------------------------------------------------------- input checks
 
-def resolve_script(script):
-    """The lesson file: as given, or relative to the course root (notebooks run in book/)."""
+def resolve_script(script, cwd=None):
+    """The lesson file: as given (relative to `cwd`, else this directory), or in the course root
+    (notebooks run in book/, lessons live in lessons/)."""
     if not isinstance(script, (str, os.PathLike)) or not str(script):
         raise ValueError(f"script must be a path to a .py file, e.g. 'lessons/01_launch.py'; got {script!r}")
     path = Path(script)
-    candidates = [path] if path.is_absolute() else [Path.cwd() / path, ROOT / path]
+    bases = [Path(cwd)] if cwd is not None else []
+    candidates = [path] if path.is_absolute() else [b / path for b in [*bases, Path.cwd(), ROOT]]
     for c in candidates:
         if c.is_file():
             return c.resolve()
@@ -359,7 +379,7 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
     Does not raise when the lesson fails: call `.raise_for_status()` for that.
     """
     # Check everything before starting anything.
-    path = resolve_script(script)
+    path = resolve_script(script, cwd)
     _check_int("nproc", nproc, 1, MAX_NPROC, "each rank is a full Python process with torch loaded")
     _check_int("nnodes", nnodes, 1, MAX_NNODES, "simulated nodes share this one machine")
     args = _check_args(args)
@@ -389,7 +409,7 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
     child_env = {**os.environ, **env, RUN_ID_VAR: run_id, "LESSONLIB_RUN_DIR": str(run_dir),
                  "LESSONLIB_LAUNCHER_PID": str(os.getpid()),
                  "PYTHONUNBUFFERED": "1",  # ranks write to files: flush each line for the live view
-                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))]))}
     if backend:
         child_env["LESSONLIB_BACKEND"] = backend
     view = make_view(show, shown, args, nproc, nnodes)
@@ -398,6 +418,7 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
     with reserve_port() if nnodes > 1 else contextlib.nullcontext() as port:
         agents, agent_files = [], []
         tails = {(r, s): _Tail(run_dir / f"rank{r}.{s}") for r in range(world) for s in ("stdout", "stderr")}
+        watch = _RankWatch(run_dir, world)
         timed_out = interrupted = False
         t0 = time.monotonic()
         try:
@@ -425,6 +446,7 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
                     if lines:
                         view.lines(rank, stream, lines)
                 view.tick(time.monotonic() - t0)
+                watch.poll()
                 if all(a.poll() is not None for a in agents):
                     break
                 if time.monotonic() > deadline:
@@ -437,23 +459,68 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
             _dump_stacks_then_kill(run_id, run_dir, world)
             raise
         finally:
-            _kill_all(run_processes(run_id) + [a for a in agents if a.poll() is None])
-            for a in agents:
-                a.wait()
-            for f in agent_files:
-                f.close()
-            wall = time.monotonic() - t0
-            for (rank, stream), tail in tails.items():
-                lines = tail.new_lines(final=True)
-                if lines:
-                    view.lines(rank, stream, lines)
-            leftovers = run_processes(run_id)  # must be empty; a process here is a launcher bug
-            _kill_all(leftovers)
-            result = _collect(shown, args, nproc, nnodes, run_dir, agents, wall, timeout,
-                              timed_out, interrupted, leftovers)
-            shutil.rmtree(run_dir, ignore_errors=True)
-            view.finish(result)
+            def cleanup():
+                _kill_all(run_processes(run_id) + [a for a in agents if a.poll() is None])
+                for a in agents:
+                    a.wait()
+                for f in agent_files:
+                    f.close()
+                wall = time.monotonic() - t0
+                watch.poll()
+                for (rank, stream), tail in tails.items():
+                    lines = tail.new_lines(final=True)
+                    if lines:
+                        view.lines(rank, stream, lines)
+                leftovers = run_processes(run_id)  # must be empty; a process here is a launcher bug
+                _kill_all(leftovers)
+                result = _collect(shown, args, nproc, nnodes, run_dir, agents, wall, timeout,
+                                  timed_out, interrupted, leftovers, watch.ended)
+                shutil.rmtree(run_dir, ignore_errors=True)
+                view.finish(result)
+                return result
+
+            result = _despite_interrupts(cleanup)
     return result
+
+
+def _despite_interrupts(step, tries=10):
+    """Run an idempotent cleanup `step` to the end even if Ctrl-C arrives again meanwhile."""
+    for _ in range(tries - 1):
+        try:
+            return step()
+        except KeyboardInterrupt:
+            continue
+    return step()
+
+
+class _RankWatch:
+    """Notes when each rank's process disappears: the end time of a rank that left no exit record."""
+
+    def __init__(self, run_dir, world):
+        self.run_dir, self.world = run_dir, world
+        self.procs, self.ended = {}, {}
+
+    def poll(self):
+        now = time.time()
+        for rank in range(self.world):
+            if rank in self.ended:
+                continue
+            if rank not in self.procs:
+                start = _read_json(self.run_dir / f"rank{rank}.start.json")
+                if start is None:
+                    continue
+                try:
+                    self.procs[rank] = psutil.Process(start["pid"])
+                except psutil.NoSuchProcess:
+                    self.ended[rank] = now
+                    continue
+            p = self.procs[rank]
+            try:
+                gone = p.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                gone = True
+            if gone:
+                self.ended[rank] = now
 
 
 def _dump_stacks_then_kill(run_id, run_dir, world):
@@ -482,7 +549,8 @@ def _dump_stacks_then_kill(run_id, run_dir, world):
     _kill_all(run_processes(run_id))
 
 
-def _collect(script, args, nproc, nnodes, run_dir, agents, wall, timeout, timed_out, interrupted, leftovers):
+def _collect(script, args, nproc, nnodes, run_dir, agents, wall, timeout, timed_out, interrupted, leftovers,
+             ended):
     launcher_output = "\n".join(
         (f"--- torchrun agent for node {i} ---\n" if nnodes > 1 else "") + _read(run_dir / f"agent{i}.log")
         for i in range(nnodes))
@@ -505,6 +573,7 @@ def _collect(script, args, nproc, nnodes, run_dir, agents, wall, timeout, timed_
                 r.error = f"{done['exc_type']}: {done.get('message', '')}".rstrip(": ")
                 r.traceback = done.get("traceback", "")
         elif start:
+            r.end = ended.get(rank)  # when the launcher saw the process go (no record of its own)
             if timed_out or interrupted:
                 r.status = "hung" if timed_out else "interrupted"
             elif all(rc == 0 for rc in returncodes):

@@ -206,9 +206,15 @@ def test_timeout_kills_the_whole_tree(hung_run, leak_scan):
     assert leak_scan() == []
 
 
+def lessonlib_temp_dirs():
+    return set(Path(tempfile.gettempdir()).glob("lessonlib-*"))
+
+
 @pytest.mark.timeout(120)
-def test_interrupt_kills_the_run(tmp_path):
+@pytest.mark.parametrize("interrupts", [1, 4], ids=["one Ctrl-C", "Ctrl-C during cleanup too"])
+def test_interrupt_kills_the_run(tmp_path, interrupts):
     tag = uuid.uuid4().hex
+    temp_before = lessonlib_temp_dirs()
     code = (
         "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # even if SIGINT was ignored
         "import lessonlib\n"
@@ -223,7 +229,10 @@ def test_interrupt_kills_the_run(tmp_path):
                        timeout=60, proc=child)
         running = processes_with_env("TEST_TAG", tag)
         assert len(running) >= 4, f"expected agent, 2 ranks and a grandchild; found {running}"
-        os.kill(child.pid, signal.SIGINT)
+        for i in range(interrupts):  # more than one: the later ones land while the launcher cleans up
+            if child.poll() is None:
+                os.kill(child.pid, signal.SIGINT)
+            time.sleep(0.05)
         out, err = child.communicate(timeout=30)
     finally:
         if child.poll() is None:
@@ -235,6 +244,7 @@ def test_interrupt_kills_the_run(tmp_path):
     assert processes_with_env("TEST_TAG", tag) == []
     grandchild = int((tmp_path / "grandchild.pid").read_text())
     assert alive_with_env([grandchild] + [p.pid for p in running], "TEST_TAG", tag) == []
+    assert lessonlib_temp_dirs() <= temp_before, "the run's temporary folder was left behind"
 
 
 # --------------------------------------------------------------------------- input checks
@@ -250,6 +260,7 @@ BAD_INPUTS = [
     ("env non-str value", dict(env={"MY_FLAG": 1}), ValueError, "must be a str"),
     ("env reserved RANK", dict(env={"RANK": "0"}), ValueError, "cannot be overridden"),
     ("env LESSONLIB_ key", dict(env={"LESSONLIB_RUN_ID": "x"}), ValueError, "cannot be overridden"),
+    ("env PYTHONUNBUFFERED", dict(env={"PYTHONUNBUFFERED": "0"}), ValueError, "cannot be overridden"),
     ("timeout=0", dict(timeout=0), ValueError, "timeout"),
     ("timeout=-1", dict(timeout=-1), ValueError, "timeout"),
     ("timeout='10'", dict(timeout="10"), ValueError, "timeout"),
@@ -357,3 +368,45 @@ def test_leak_scan_sees_a_marked_process(leak_scan):
         sleeper.kill()
         sleeper.wait(timeout=10)
     assert sleeper.pid not in {p.pid for p in leak_scan()}
+
+
+# --------------------------------------------------------------------------- regressions
+
+@pytest.mark.parametrize("how, exitcode", [("exit", 3), ("segv", -signal.SIGSEGV)])
+def test_rank_dying_without_a_python_exception_is_still_the_root_cause(tmp_path, how, exitcode):
+    """os._exit or a segfault leaves no exit record; the peers' "connection closed" errors must not win."""
+    script = tmp_path / "die.py"
+    script.write_text(
+        "import ctypes, os, sys, torch, torch.distributed as dist, lessonlib\n"
+        "ctx = lessonlib.setup()\n"
+        "if ctx.rank == 1:\n"
+        "    ctypes.string_at(0) if sys.argv[1] == 'segv' else os._exit(3)\n"
+        "t = torch.ones(1); dist.all_reduce(t); lessonlib.teardown()\n")
+    run = lessonlib.launch(script, nproc=3, args=[how], timeout=90, show="none")
+    assert not run.ok
+    assert run.root_cause.rank == 1, run.describe_failure()
+    assert run.ranks[1].exitcode == exitcode, run.describe_failure()
+    assert "First failure (root cause): rank 1" in run.describe_failure()
+
+
+def test_env_pythonpath_is_kept_after_the_course_root(tmp_path):
+    script = tmp_path / "show_path.py"
+    script.write_text("import os; print('PYTHONPATH=' + os.environ['PYTHONPATH'])\n")
+    run = lessonlib.launch(script, nproc=1, env={"PYTHONPATH": str(tmp_path)}, timeout=60, show="none")
+    run.raise_for_status()
+    parts = run.ranks[0].stdout.strip().split("=", 1)[1].split(os.pathsep)
+    assert parts[:2] == [str(ROOT), str(tmp_path)], parts
+
+
+def test_relative_script_is_found_in_cwd(tmp_path, monkeypatch):
+    (tmp_path / "here.py").write_text("import os; print('cwd', os.getcwd())\n")
+    monkeypatch.chdir(tempfile.gettempdir())
+    run = lessonlib.launch("here.py", nproc=1, cwd=tmp_path, timeout=60, show="none").raise_for_status()
+    assert run.ranks[0].stdout.strip() == f"cwd {tmp_path}"
+
+
+def test_timeout_before_any_rank_started_says_so():
+    run = lessonlib.launch(LAUNCH_LESSON, nproc=2, timeout=0.3, show="none")
+    assert run.timed_out and not run.ok
+    assert all(r.status == "not started" for r in run.ranks), [r.status for r in run.ranks]
+    assert "before any rank had started" in run.describe_failure()
