@@ -5,22 +5,29 @@
 - `report` hands values from a rank to the notebook that launched it (chapter 1).
 - `show_table` and `reserve_port` are small display and networking helpers (chapter 1).
 
-`setup`, `teardown`, `DistContext` and `report` load torch, so they are imported on first use: the
-launcher itself starts (and rejects bad input) without paying for `import torch`.
+Names are imported on first use: every rank and torchrun agent of a launch imports a piece of this
+package, and should not pay for the rest (psutil for the launcher, torch for `setup`).
 """
 
-from .display import show_table
-from .launcher import MAX_NNODES, MAX_NPROC, LaunchError, RankOutput, RunResult, launch
-from .ports import reserve_port
+import importlib
 
-_LAZY = ("setup", "teardown", "DistContext", "report", "pick_backend")
+_WHERE = {
+    "launch": "launcher", "LaunchError": "launcher", "RunResult": "launcher", "RankOutput": "launcher",
+    "MAX_NPROC": "launcher", "MAX_NNODES": "launcher",
+    "setup": "dist", "teardown": "dist", "DistContext": "dist", "report": "dist", "pick_backend": "dist",
+    "show_table": "display", "reserve_port": "ports",
+}
 
-__all__ = ["launch", "LaunchError", "RunResult", "RankOutput", "MAX_NPROC", "MAX_NNODES",
-           "show_table", "reserve_port", *_LAZY]
+__all__ = list(_WHERE)
 
 
 def __getattr__(name):
-    if name in _LAZY:
-        from . import dist
-        return getattr(dist, name)
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
     raise AttributeError(f"module 'lessonlib' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_WHERE])

@@ -38,6 +38,9 @@ def command_line(script, args, nproc, nnodes):
 
 
 class NullView:
+    live = False  # whether it wants each rank's lines while the run goes on
+    interval = 0.25  # seconds between the launcher's checks on the run
+
     def __init__(self, script, args, nproc, nnodes):
         pass
 
@@ -52,6 +55,8 @@ class NullView:
 
 
 class TextLiveView(NullView):
+    live, interval = True, 0.1
+
     def lines(self, rank, stream, lines):
         out = sys.stdout if stream == "stdout" else sys.stderr
         out.write("".join(f"[rank {rank}] {line}\n" for line in lines))
@@ -65,6 +70,8 @@ class TextLiveView(NullView):
 
 
 class HtmlLiveView(NullView):
+    live, interval = True, LIVE_EVERY
+
     def __init__(self, script, args, nproc, nnodes):
         from IPython.display import HTML, display
         self.HTML = HTML

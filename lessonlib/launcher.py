@@ -441,10 +441,11 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
                                            stdout=out, stderr=out, start_new_session=True))
             deadline = t0 + timeout
             while True:
-                for (rank, stream), tail in tails.items():
-                    lines = tail.new_lines()
-                    if lines:
-                        view.lines(rank, stream, lines)
+                if view.live:  # with nothing to show live, the files are read once at the end
+                    for (rank, stream), tail in tails.items():
+                        lines = tail.new_lines()
+                        if lines:
+                            view.lines(rank, stream, lines)
                 view.tick(time.monotonic() - t0)
                 watch.poll()
                 if all(a.poll() is not None for a in agents):
@@ -453,7 +454,12 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
                     timed_out = True
                     _dump_stacks_then_kill(run_id, run_dir, world)
                     break
-                time.sleep(0.05)
+                # Returns as soon as the (first still running) agent exits, so the end is seen at once
+                # whatever the interval; a slow interval leaves the cores to the ranks.
+                try:
+                    next(a for a in agents if a.poll() is None).wait(timeout=view.interval)
+                except (psutil.TimeoutExpired, StopIteration):
+                    pass
         except KeyboardInterrupt:
             interrupted = True
             _dump_stacks_then_kill(run_id, run_dir, world)
