@@ -149,7 +149,8 @@ def render_html(result):
 
 def show_table(rows, columns=None, title=None):
     """Show a list of dicts as a table: HTML in a notebook, aligned text in a terminal (chapter 1)."""
-    columns = columns or list(rows[0]) if rows else columns or []
+    if columns is None:
+        columns = list(rows[0]) if rows else []
     if in_notebook():
         from IPython.display import HTML, display
         head = "".join(f'<th style="{_CELL}">{html.escape(str(c))}</th>' for c in columns)

@@ -153,7 +153,8 @@ class RunResult:
             lines = [f"{self.script} {what}; rank(s) {_list(r.rank for r in stuck)} were still "
                      "running and were killed. Their Python stacks at that moment:"]
             for r in stuck:
-                lines += [f"--- rank {r.rank} stack ---", _stack_dump(r.stderr)]
+                lines += [f"--- rank {r.rank} stack ---",
+                          _stack_dump(r.stderr) or _tail(r.stderr, 30) or "(no stack printed)"]
             cause = self.root_cause
             if cause is not None:
                 lines += [f"Before that, rank {cause.rank} failed:", cause.traceback or cause.error]
@@ -169,9 +170,10 @@ class RunResult:
                 lines.append(f"Then rank {r.rank}: {r.status}"
                              + (f", exit code {r.exitcode}" if r.exitcode is not None else "")
                              + (f" ({r.error})" if r.error else ""))
-                if r.status == "terminated" and ("Thread 0x" in r.stderr or "Current thread 0x" in r.stderr):
+                stack = _stack_dump(r.stderr) if r.status == "terminated" else ""
+                if stack:
                     lines += [f"    where rank {r.rank} was when it was stopped:",
-                              "    " + _stack_dump(r.stderr).replace("\n", "\n    ")]
+                              "    " + stack.replace("\n", "\n    ")]
             lines += [f"--- rank {cause.rank} traceback ---",
                       cause.traceback or _tail(cause.stderr, 30) or "(no traceback: see its stderr)"]
         else:
@@ -210,12 +212,14 @@ def _tail(text, n):
 
 
 def _stack_dump(stderr):
-    """The faulthandler dump in a rank's stderr: from its first 'Thread 0x' / 'Current thread 0x' line."""
+    """The faulthandler dump in a rank's stderr (from its first 'Thread 0x' line), or '' if none."""
     hits = [i for i in (stderr.find("Thread 0x"), stderr.find("Current thread 0x")) if i >= 0]
-    block = stderr[min(hits):] if hits else _tail(stderr, 30)
+    if not hits:
+        return ""
     # The frames below the lesson (runpy, lessonlib._rank_main) are the launcher's, not the lesson's.
-    lines = [ln for ln in block.splitlines() if "<frozen runpy>" not in ln and "lessonlib/_rank_main.py" not in ln]
-    return "\n".join(lines).rstrip() or "(no stack printed)"
+    lines = [ln for ln in stderr[min(hits):].splitlines()
+             if "<frozen runpy>" not in ln and "lessonlib/_rank_main.py" not in ln]
+    return "\n".join(lines).rstrip()
 
 
 # --------------------------------------------------------------------------- input checks
@@ -452,7 +456,7 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
                     break
                 if time.monotonic() > deadline:
                     timed_out = True
-                    _dump_stacks_then_kill(run_id, run_dir, world)
+                    _dump_stacks_then_kill(run_id, watch)
                     break
                 # Returns as soon as the (first still running) agent exits, so the end is seen at once
                 # whatever the interval; a slow interval leaves the cores to the ranks.
@@ -462,7 +466,7 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
                     pass
         except KeyboardInterrupt:
             interrupted = True
-            _dump_stacks_then_kill(run_id, run_dir, world)
+            _dump_stacks_then_kill(run_id, watch)
             raise
         finally:
             def cleanup():
@@ -528,20 +532,20 @@ class _RankWatch:
             if gone:
                 self.ended[rank] = now
 
+    def running(self):
+        """Ranks whose process has started and not yet ended."""
+        self.poll()
+        return [rank for rank in self.procs if rank not in self.ended]
 
-def _dump_stacks_then_kill(run_id, run_dir, world):
+
+def _dump_stacks_then_kill(run_id, watch):
     """Ask every rank still running for its Python stack, give it a moment to print, then kill all."""
     signalled = []
-    for rank in range(world):
-        start = _read_json(run_dir / f"rank{rank}.start.json")
-        if start is None or (run_dir / f"rank{rank}.exit.json").exists():
-            continue
+    for rank in watch.running():
         try:
-            p = psutil.Process(start["pid"])
-            if p.environ().get(RUN_ID_VAR) == run_id:
-                p.send_signal(signal.SIGUSR1)
-                signalled.append(run_dir / f"rank{rank}.stderr")
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            watch.procs[rank].send_signal(signal.SIGUSR1)  # psutil refuses if the pid was reused
+            signalled.append(watch.run_dir / f"rank{rank}.stderr")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     # faulthandler writes from its signal handler at once; wait until the stderr files stop growing.
     end = time.monotonic() + STACK_DUMP_GRACE

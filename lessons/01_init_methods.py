@@ -69,24 +69,20 @@ def main():
     parser.add_argument("--pg-timeout", type=float, default=30.0)
     args = parser.parse_args()
     timeout = datetime.timedelta(seconds=args.pg_timeout)
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if "MASTER_ADDR" not in os.environ:  # plain python: env:// needs somewhere to meet
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-
-    for method in METHODS if args.method == "all" else (args.method,):
-        with contextlib.ExitStack() as stack:
-            if method == "env" and "MASTER_ADDR" not in os.environ:
-                os.environ["MASTER_ADDR"] = "127.0.0.1"
-                os.environ["MASTER_PORT"] = str(stack.enter_context(lessonlib.reserve_port()))
-                stack.callback(lambda: [os.environ.pop(k) for k in ("MASTER_ADDR", "MASTER_PORT")])
-            url = init_url(method, rank, world_size, timeout, stack)
-            kwargs = {} if method == "env" else {"rank": rank, "world_size": world_size}
-            dist.init_process_group("gloo", init_method=url, timeout=timeout, **kwargs)
-            total = check_all_reduce(rank, world_size)
-            dist.destroy_process_group()
-        print(f"rank {rank}: {method:>4}  init_method={url:<48} all_reduce -> {total}")
-        lessonlib.report("init", {"method": method, "url": url, "all_reduce": total})
+    with contextlib.ExitStack() as run:
+        if "MASTER_ADDR" not in os.environ:  # plain python: give env:// a world of one and somewhere to meet
+            port = run.enter_context(lessonlib.reserve_port())
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        for method in METHODS if args.method == "all" else (args.method,):
+            with contextlib.ExitStack() as stack:
+                url = init_url(method, rank, world_size, timeout, stack)
+                kwargs = {} if method == "env" else {"rank": rank, "world_size": world_size}
+                dist.init_process_group("gloo", init_method=url, timeout=timeout, **kwargs)
+                total = check_all_reduce(rank, world_size)
+                dist.destroy_process_group()
+            print(f"rank {rank}: {method:>4}  init_method={url:<48} all_reduce -> {total}")
+            lessonlib.report("init", {"method": method, "url": url, "all_reduce": total})
 
 
 if __name__ == "__main__":
