@@ -1,0 +1,181 @@
+"""torchrun --nproc_per_node=4 lessons/02_collectives.py
+
+Every collective, run once: what each rank holds before and after, checked against a closed form.
+
+Rank r starts from x_r = [10r + 1, 10r + 2, ..., 10r + n] (n = world size): the tens digit says
+which rank a number came from, the units digit its position. Each op prints every rank's tensor
+before and after, reports both to the notebook, and asserts the result against an expected value
+computed with plain Python, not torch. `--ops` picks a comma-separated subset (default: all).
+
+`--absent-rank R` makes rank R skip the barriers, to see a barrier that one rank never reaches
+(chapter 2, "Barriers"): `barrier` fails with the process-group timeout and does not say who is
+missing; `monitored_barrier` names the missing rank.
+"""
+
+import argparse
+import datetime
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+import lessonlib
+
+OPS = ["broadcast", "scatter", "reduce", "gather", "all_reduce", "all_gather", "all_gather_single",
+       "reduce_scatter_single", "all_to_all_single", "barrier", "monitored_barrier"]
+REDUCE_OPS = ["SUM", "PRODUCT", "MIN", "MAX", "AVG"]
+
+
+def start(rank, n, dtype=torch.int64):
+    return torch.tensor([10 * rank + j + 1 for j in range(n)], dtype=dtype)
+
+
+def value(r, j):
+    """Element j of rank r's starting tensor, without torch: the closed forms below use only this."""
+    return 10 * r + j + 1
+
+
+def show(ctx, op, before, after, expected, note=""):
+    """Print and report one rank's view of one op; assert it got what the closed form says."""
+    print(f"{op:<24} before {before}  after {after}{'  ' + note if note else ''}")
+    lessonlib.report("op", {"op": op, "before": before, "after": after, "note": note})
+    if expected is not None:
+        assert after == expected, f"rank {ctx.rank}: {op} gave {after}, expected {expected}"
+
+
+# [start: one_to_many]
+def run_broadcast(ctx, n):
+    x = start(ctx.rank, n)
+    before = x.tolist()
+    dist.broadcast(x, src=0)  # every rank ends with rank 0's tensor
+    show(ctx, "broadcast", before, x.tolist(), [value(0, j) for j in range(n)])
+
+
+def run_scatter(ctx, n):
+    out = torch.zeros(1, dtype=torch.int64)
+    chunks = list(start(0, n).chunk(n)) if ctx.is_main else None  # only the source holds the list
+    dist.scatter(out, chunks, src=0)  # rank k receives chunk k
+    show(ctx, "scatter", start(0, n).tolist() if ctx.is_main else None, out.tolist(), [value(0, ctx.rank)])
+# [end: one_to_many]
+
+
+# [start: many_to_one]
+def run_reduce(ctx, n):
+    x = start(ctx.rank, n)
+    before = x.tolist()
+    dist.reduce(x, dst=0, op=dist.ReduceOp.SUM)
+    total = [sum(value(r, j) for r in range(n)) for j in range(n)]
+    if ctx.is_main:
+        show(ctx, "reduce (SUM to 0)", before, x.tolist(), total)
+    else:  # the result is only defined on dst; here the buffer may hold partial sums
+        show(ctx, "reduce (SUM to 0)", before, x.tolist(), None,
+             "unchanged" if x.tolist() == before else "changed: scratch space, not a result")
+
+
+def run_gather(ctx, n):
+    x = start(ctx.rank, n)
+    out = [torch.zeros(n, dtype=torch.int64) for _ in range(n)] if ctx.is_main else None
+    dist.gather(x, out, dst=0)
+    expected = [value(r, j) for r in range(n) for j in range(n)] if ctx.is_main else None
+    show(ctx, "gather (to 0)", x.tolist(), torch.cat(out).tolist() if ctx.is_main else None, expected)
+# [end: many_to_one]
+
+
+# [start: all_reduce]
+def run_all_reduce(ctx, n):
+    closed_form = {
+        "SUM": lambda j: sum(value(r, j) for r in range(n)),
+        "PRODUCT": lambda j: math.prod(value(r, j) for r in range(n)),
+        "MIN": lambda j: value(0, j),
+        "MAX": lambda j: value(n - 1, j),
+        "AVG": lambda j: sum(value(r, j) for r in range(n)) / n,
+    }
+    for name in REDUCE_OPS:
+        dtype = torch.float64 if name == "AVG" else torch.int64  # AVG divides: see 02_gloo_support.py
+        x = start(ctx.rank, n, dtype)
+        before = x.tolist()
+        dist.all_reduce(x, op=getattr(dist.ReduceOp, name))
+        show(ctx, f"all_reduce {name}", before, x.tolist(), [closed_form[name](j) for j in range(n)])
+# [end: all_reduce]
+
+
+# [start: all_to_all]
+def run_all_gather(ctx, n):
+    x = start(ctx.rank, n)
+    out = [torch.zeros(n, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(out, x)  # a list with one tensor per rank
+    show(ctx, "all_gather", x.tolist(), torch.cat(out).tolist(), [value(r, j) for r in range(n) for j in range(n)])
+
+
+def run_all_gather_single(ctx, n):
+    x = start(ctx.rank, n)
+    out = torch.zeros(n * n, dtype=torch.int64)
+    # One flat output tensor instead of a list of n. torch 2.14 renamed all_gather_into_tensor to this.
+    dist.all_gather_single(out, x)
+    show(ctx, "all_gather_single", x.tolist(), out.tolist(), [value(r, j) for r in range(n) for j in range(n)])
+
+
+def run_reduce_scatter_single(ctx, n):
+    x = start(ctx.rank, n)
+    out = torch.zeros(1, dtype=torch.int64)
+    # Rank k gets the sum of everyone's chunk k (formerly reduce_scatter_tensor; reduce_scatter takes lists).
+    dist.reduce_scatter_single(out, x, op=dist.ReduceOp.SUM)
+    show(ctx, "reduce_scatter_single", x.tolist(), out.tolist(), [sum(value(r, ctx.rank) for r in range(n))])
+
+
+def run_all_to_all_single(ctx, n):
+    x = start(ctx.rank, n)
+    out = torch.zeros(n, dtype=torch.int64)
+    dist.all_to_all_single(out, x)  # rank k sends its chunk j to rank j: a transpose across ranks
+    show(ctx, "all_to_all_single", x.tolist(), out.tolist(), [value(r, ctx.rank) for r in range(n)])
+# [end: all_to_all]
+
+
+# [start: barriers]
+def run_barrier(ctx, n, monitored=False, absent_rank=-1):
+    time.sleep(0.2 * ctx.rank)  # ranks arrive at different times
+    arrived = time.time()
+    if ctx.rank == absent_rank:
+        print(f"rank {ctx.rank}: not going to the barrier (--absent-rank)", flush=True)
+        time.sleep(60)
+    if monitored:  # gloo only: rank 0 checks in every rank and names any that does not arrive in time
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=5))
+    else:
+        dist.barrier()
+    left = time.time()
+    stamps = [None] * n
+    dist.all_gather_object(stamps, (arrived, left))
+    last_arrival = max(a for a, _ in stamps)
+    # Nobody leaves a barrier before the last rank has arrived (one clock: all ranks are on this machine).
+    assert left >= last_arrival - 1e-3, f"rank {ctx.rank} left {last_arrival - left:.3f} s before the last arrival"
+    op = "monitored_barrier" if monitored else "barrier"
+    show(ctx, op, f"arrived at +{arrived - stamps[0][0]:.2f} s", f"left at +{left - stamps[0][0]:.2f} s", None)
+# [end: barriers]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of: {', '.join(OPS)}")
+    parser.add_argument("--absent-rank", type=int, default=-1, help="this rank never reaches the barriers")
+    parser.add_argument("--pg-timeout", type=float, default=None, help="process-group timeout, seconds")
+    args = parser.parse_args()
+    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown or not ops:
+        parser.error(f"--ops: unknown {unknown or 'empty list'}; choose from {', '.join(OPS)}")
+
+    ctx = lessonlib.setup(timeout=args.pg_timeout)
+    n = ctx.world_size
+    for op in ops:
+        if op in ("barrier", "monitored_barrier"):
+            run_barrier(ctx, n, monitored=op == "monitored_barrier", absent_rank=args.absent_rank)
+        else:
+            globals()[f"run_{op}"](ctx, n)
+    if ctx.is_main:
+        print(f"{len(ops)} ops checked on {n} ranks against their closed forms, backend {ctx.backend}")
+    lessonlib.teardown()
+
+
+if __name__ == "__main__":
+    main()

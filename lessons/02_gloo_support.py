@@ -1,0 +1,173 @@
+"""torchrun --nproc_per_node=2 lessons/02_gloo_support.py
+
+Which collectives and reduce ops this backend supports, found by calling each one for real.
+
+Every rank tries every op on int64, float32 and bfloat16 CPU tensors, checks the result of each call
+that succeeds against a closed form, and records the error of each call that fails. After a failure it
+runs a barrier, to prove the group still works. The ranks must agree on every outcome (asserted).
+Then three things gloo refuses are done another way, and checked: PREMUL_SUM, an average of integers
+(the `reduce_mean` of one source note), and all_gather of tensors of different sizes.
+"""
+
+import argparse
+import functools
+import operator
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import lessonlib
+
+DTYPES = {"int64": torch.int64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+BITWISE = {"BAND": operator.and_, "BOR": operator.or_, "BXOR": operator.xor}
+
+
+def outcome(fn):
+    """'ok' (with any FutureWarning the call gave), or the first line of the error fn(group) raised.
+
+    Each call runs in a fresh group of all ranks, dropped afterwards: a gloo group whose op failed may
+    re-raise that error from its next call, and one failure must not spoil the next probe.
+    """
+    group = dist.new_group(backend=dist.get_backend())
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn(group)
+    except Exception as e:  # noqa: BLE001 - recording what the backend says is the point
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:100]}"
+    finally:
+        dist.destroy_process_group(group)
+    future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    return "ok (FutureWarning: " + future[0][:90] + ")" if future else "ok"
+
+
+# [start: reduce_ops]
+def try_reduce_op(ctx, name, dtype, group):
+    n, values = ctx.world_size, [r + 1 for r in range(ctx.world_size)]  # rank r holds r + 1
+    x = torch.full((3,), ctx.rank + 1, dtype=dtype)
+    if name == "PREMUL_SUM":  # NCCL's "multiply by a factor, then sum", used to pre-divide gradients
+        dist.all_reduce(x, op=dist._make_nccl_premul_sum(0.5), group=group)
+        expected = 0.5 * sum(values)
+    else:
+        dist.all_reduce(x, op=getattr(dist.ReduceOp, name), group=group)
+        expected = {"SUM": sum(values), "PRODUCT": functools.reduce(operator.mul, values),
+                    "MIN": min(values), "MAX": max(values), "AVG": sum(values) / n}.get(name)
+        if name in BITWISE:
+            expected = functools.reduce(BITWISE[name], values)
+    assert torch.all(x.double() == expected), f"rank {ctx.rank}: all_reduce {name} {dtype} gave {x.tolist()}"
+# [end: reduce_ops]
+
+
+def collective_calls(ctx):
+    """One call per collective on float32, each taking the group to run in; results checked where cheap."""
+    n, r = ctx.world_size, ctx.rank
+    x = torch.full((n,), float(r))
+    ranks = torch.arange(n, dtype=torch.float32)
+
+    def expect(got, want, what):
+        assert torch.equal(got, want), f"rank {r}: {what} gave {got.tolist()}, expected {want.tolist()}"
+
+    def gathered(g):
+        out = [torch.empty(n) for _ in range(n)]
+        dist.all_gather(out, x, group=g)
+        expect(torch.stack(out)[:, 0], ranks, "all_gather")
+
+    def gathered_single(g):
+        out = torch.empty(n * n)
+        dist.all_gather_single(out, x, group=g)
+        expect(out[::n], ranks, "all_gather_single")
+
+    def transposed(g):
+        out = torch.empty(n)
+        dist.all_to_all_single(out, x.clone(), group=g)
+        expect(out, ranks, "all_to_all_single")
+
+    return {
+        "broadcast": lambda g: dist.broadcast(x.clone(), src=0, group=g),
+        "reduce": lambda g: dist.reduce(x.clone(), dst=0, group=g),
+        "all_gather": gathered,
+        "all_gather_single": gathered_single,
+        "all_gather_into_tensor (old name)": lambda g: dist.all_gather_into_tensor(torch.empty(n * n), x, group=g),
+        "gather": lambda g: dist.gather(x, [torch.empty(n) for _ in range(n)] if r == 0 else None, dst=0, group=g),
+        "scatter": lambda g: dist.scatter(torch.empty(1), list(ranks.chunk(n)) if r == 0 else None, src=0, group=g),
+        "reduce_scatter": lambda g: dist.reduce_scatter(torch.empty(1), list(ranks.chunk(n)), group=g),
+        "reduce_scatter_single": lambda g: dist.reduce_scatter_single(torch.empty(1), ranks.clone(), group=g),
+        "reduce_scatter_tensor (old name)": lambda g: dist.reduce_scatter_tensor(torch.empty(1), ranks.clone(), group=g),
+        "all_to_all": lambda g: dist.all_to_all([torch.empty(1) for _ in range(n)], list(x.chunk(n)), group=g),
+        "all_to_all_single": transposed,
+        "all_to_all_single, uneven splits": lambda g: dist.all_to_all_single(
+            torch.empty(sum(range(1, n + 1))), torch.full((n * (r + 1),), float(r)),
+            output_split_sizes=[k + 1 for k in range(n)], input_split_sizes=[r + 1] * n, group=g),
+        "all_gather, tensors of different sizes": lambda g: dist.all_gather(
+            [torch.empty(k + 1) for k in range(n)], torch.full((r + 1,), float(r)), group=g),
+        "barrier": lambda g: dist.barrier(group=g),
+        "monitored_barrier": lambda g: dist.monitored_barrier(group=g),
+    }
+
+
+# [start: workarounds]
+def premul_sum_by_hand(x, factor):
+    """What PREMUL_SUM(factor) computes, on a backend without it: scale locally, then SUM."""
+    y = x * factor
+    dist.all_reduce(y, op=dist.ReduceOp.SUM)
+    return y
+
+
+def reduce_mean(x):
+    """Average over ranks that works for any dtype: a float copy, SUM, divide by the *group's* size."""
+    y = x.double()  # AVG or `/=` on an int64 tensor fails: the mean is not an integer
+    dist.all_reduce(y, op=dist.ReduceOp.SUM)
+    return y / dist.get_world_size()
+
+
+def all_gather_uneven(x):
+    """all_gather for tensors whose first dimension differs per rank: share lengths, pad, gather, trim."""
+    n = dist.get_world_size()
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(lengths, torch.tensor([x.shape[0]]))
+    longest = max(int(t) for t in lengths)
+    padded = torch.zeros(longest, *x.shape[1:], dtype=x.dtype)
+    padded[: x.shape[0]] = x
+    out = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(out, padded)
+    return [t[: int(length)] for t, length in zip(out, lengths)]
+# [end: workarounds]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    parser.parse_args()
+    ctx = lessonlib.setup()
+    n, r = ctx.world_size, ctx.rank
+
+    table = []
+    for name in ["SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM"]:
+        table.append({"all_reduce op": name, **{d: outcome(lambda g: try_reduce_op(ctx, name, t, g))
+                                                 for d, t in DTYPES.items()}})
+    calls = [{"call": name, "float32": outcome(fn)} for name, fn in collective_calls(ctx).items()]
+
+    # Ranks must agree on what worked; error texts may differ (each names its own tensor index).
+    worked = [[v.startswith("ok") for v in row.values()] for row in table + calls]
+    everyone = [None] * n
+    dist.all_gather_object(everyone, worked)
+    differ = [k for k, e in enumerate(everyone) if e != worked]
+    assert not differ, f"rank {r}: ranks {differ} saw other outcomes than this rank"
+
+    x = torch.tensor([r + 1, 10 * (r + 1)])
+    assert premul_sum_by_hand(x.double(), 0.5).tolist() == [0.5 * n * (n + 1) / 2, 5.0 * n * (n + 1) / 2]
+    assert reduce_mean(x).tolist() == [(n + 1) / 2, 10 * (n + 1) / 2], f"rank {r}: reduce_mean"
+    parts = all_gather_uneven(torch.full((r + 1,), r))  # rank r contributes r + 1 copies of r
+    assert [p.tolist() for p in parts] == [[k] * (k + 1) for k in range(n)], f"rank {r}: {parts}"
+
+    if ctx.is_main:
+        for row in table + calls:
+            print(" | ".join(f"{v}" for v in row.values()))
+        print(f"backend {ctx.backend}, {n} ranks: outcomes agree on every rank; 3 workarounds checked")
+    lessonlib.report("reduce_ops", table)
+    lessonlib.report("calls", calls)
+    lessonlib.teardown()
+
+
+if __name__ == "__main__":
+    main()
