@@ -1,7 +1,7 @@
 """Process-group setup and teardown for lessons (chapter 1).
 
     ctx = lessonlib.setup()          # or: with lessonlib.setup() as ctx: ...
-    ctx.rank, ctx.local_rank, ctx.world_size, ctx.is_main, ctx.device
+    ctx.rank, ctx.local_rank, ctx.world_size, ctx.is_main, ctx.device, ctx.timeout
     lessonlib.teardown()
 
 Reads what torchrun put in the environment, picks the backend from what this machine really has
@@ -34,6 +34,9 @@ class DistContext:
     backend: str
     device: torch.device
     launched: bool  # True under torchrun, False under plain python
+    # The bound given to init_process_group. Groups made later with new_group do not inherit it
+    # (their default is 30 minutes, chapter 2): pass timeout=ctx.timeout to new_group too.
+    timeout: datetime.timedelta = datetime.timedelta(seconds=DEFAULT_TIMEOUT)
 
     @property
     def is_main(self):
@@ -79,13 +82,14 @@ def setup(backend=None, timeout=None):
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    bound = datetime.timedelta(seconds=timeout)
     if not dist.is_initialized():
-        kwargs = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+        kwargs = dict(backend=backend, timeout=bound)
         if launched:
             dist.init_process_group(init_method="env://", **kwargs)
         else:
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-    return DistContext(rank, local_rank, world_size, local_world_size, group_rank, backend, device, launched)
+    return DistContext(rank, local_rank, world_size, local_world_size, group_rank, backend, device, launched, bound)
 
 
 def teardown():

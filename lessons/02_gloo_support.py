@@ -3,8 +3,8 @@
 Which collectives and reduce ops this backend supports, found by calling each one for real.
 
 Every rank tries every op on int64, float32 and bfloat16 CPU tensors, checks the result of each call
-that succeeds against a closed form, and records the error of each call that fails. After a failure it
-runs a barrier, to prove the group still works. The ranks must agree on every outcome (asserted).
+that succeeds against a closed form, and records the error of each call that fails. Each call runs in
+a fresh group, so one failure cannot spoil the next. The ranks must agree on every outcome (asserted).
 Then three things gloo refuses are done another way, and checked: PREMUL_SUM, an average of integers
 (the `reduce_mean` of one source note), and all_gather of tensors of different sizes.
 """
@@ -23,13 +23,13 @@ DTYPES = {"int64": torch.int64, "float32": torch.float32, "bfloat16": torch.bflo
 BITWISE = {"BAND": operator.and_, "BOR": operator.or_, "BXOR": operator.xor}
 
 
-def outcome(fn):
+def outcome(ctx, fn):
     """'ok' (with any FutureWarning the call gave), or the first line of the error fn(group) raised.
 
     Each call runs in a fresh group of all ranks, dropped afterwards: a gloo group whose op failed may
     re-raise that error from its next call, and one failure must not spoil the next probe.
     """
-    group = dist.new_group(backend=dist.get_backend())
+    group = dist.new_group(backend=ctx.backend, timeout=ctx.timeout)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -143,9 +143,9 @@ def main():
 
     table = []
     for name in ["SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM"]:
-        table.append({"all_reduce op": name, **{d: outcome(lambda g: try_reduce_op(ctx, name, t, g))
+        table.append({"all_reduce op": name, **{d: outcome(ctx, lambda g: try_reduce_op(ctx, name, t, g))
                                                  for d, t in DTYPES.items()}})
-    calls = [{"call": name, "float32": outcome(fn)} for name, fn in collective_calls(ctx).items()]
+    calls = [{"call": name, "float32": outcome(ctx, fn)} for name, fn in collective_calls(ctx).items()]
 
     # Ranks must agree on what worked; error texts may differ (each names its own tensor index).
     worked = [[v.startswith("ok") for v in row.values()] for row in table + calls]

@@ -1,0 +1,138 @@
+"""torchrun --nproc_per_node=2 lessons/02_point_to_point.py
+
+send/recv and isend/irecv between two ranks: what blocks, measured, then a token passed around a ring.
+
+Ranks 0 and 1 time each call while the peer deliberately shows up --delay seconds late:
+  recv  waits for the sender;
+  send  (on gloo) waits until the receiver has posted its recv, whatever the message size;
+  isend/irecv return at once with a Work handle; its wait() blocks until the transfer is done.
+Then every rank passes its rank number to the next one in a ring, in the way --ring chooses:
+  isend (default), batch (batch_isend_irecv), even-odd (blocking calls in a safe order), or
+  blocking (every rank sends first: on gloo each send waits for a recv nobody has posted, a deadlock
+  that the process-group timeout, --pg-timeout, turns into an error).
+"""
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+import lessonlib
+
+SIZES = [1, 1_000_000]  # elements: 4 bytes and 4 MB of float32
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+# [start: blocking]
+def late_peer(ctx, numel, delay):
+    """Rank 0 sends, rank 1 receives; whichever side is not timed shows up `delay` s late."""
+    x = torch.ones(numel)
+    dist.barrier()
+    if ctx.rank == 0:  # 1) the receiver is late: how long does send take?
+        _, send_s = timed(lambda: dist.send(x, dst=1))
+    else:
+        time.sleep(delay)
+        dist.recv(x, src=0)
+    dist.barrier()
+    if ctx.rank == 1:  # 2) the sender is late: how long does recv take?
+        _, recv_s = timed(lambda: dist.recv(x, src=0))
+    else:
+        time.sleep(delay)
+        dist.send(x, dst=1)
+    return {"numel": numel, "send_s" if ctx.rank == 0 else "recv_s": send_s if ctx.rank == 0 else recv_s}
+# [end: blocking]
+
+
+# [start: nonblocking]
+def late_peer_async(ctx, delay):
+    """isend/irecv return at once; the Work they return says whether the transfer is done."""
+    x = torch.full((4,), float(ctx.rank))
+    dist.barrier()
+    if ctx.rank == 0:
+        work, call_s = timed(lambda: dist.isend(x, dst=1))
+    else:
+        time.sleep(delay)
+        work, call_s = timed(lambda: dist.irecv(x, src=0))
+    done_at_once = work.is_completed()  # the peer is asleep (rank 0) or just arrived: not done yet
+    _, wait_s = timed(work.wait)
+    assert work.is_completed(), f"rank {ctx.rank}: Work not completed after wait()"
+    assert torch.equal(x, torch.zeros(4)), f"rank {ctx.rank}: after wait() the data is {x.tolist()}"
+    return {"call": "isend" if ctx.rank == 0 else "irecv", "call_s": call_s,
+            "completed right after the call": done_at_once, "wait_s": wait_s}
+# [end: nonblocking]
+
+
+# [start: ring]
+def pass_token(ctx, how):
+    """Send this rank's number to the next rank; receive the previous rank's number."""
+    n, r = ctx.world_size, ctx.rank
+    nxt, prev = (r + 1) % n, (r - 1) % n
+    out, got = torch.tensor([r]), torch.tensor([-1])
+    if how == "blocking":  # every rank sends first: each waits for a recv that is never posted
+        dist.send(out, dst=nxt)
+        dist.recv(got, src=prev)
+    elif how == "even-odd":  # even ranks send first, odd ranks receive first: a chain, not a cycle
+        if r % 2 == 0:
+            dist.send(out, dst=nxt)
+            dist.recv(got, src=prev)
+        else:
+            dist.recv(got, src=prev)
+            dist.send(out, dst=nxt)
+    elif how == "isend":
+        work = dist.isend(out, dst=nxt)  # start the send, and do not wait for it yet
+        dist.recv(got, src=prev)
+        work.wait()
+    else:  # "batch": both posted together; the form NCCL needs to run them as one group
+        ops = [dist.P2POp(dist.isend, out, nxt), dist.P2POp(dist.irecv, got, prev)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    assert got.item() == prev, f"rank {r}: got token {got.item()}, expected {prev}"
+    return got.item()
+# [end: ring]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    parser.add_argument("--delay", type=float, default=0.5, help="seconds the peer arrives late")
+    parser.add_argument("--ring", choices=["isend", "batch", "even-odd", "blocking"], default="isend")
+    parser.add_argument("--pg-timeout", type=float, default=None, help="process-group timeout, seconds")
+    args = parser.parse_args()
+    if args.delay <= 0:
+        parser.error("--delay must be positive")
+
+    ctx = lessonlib.setup(timeout=args.pg_timeout)
+    if ctx.world_size == 1:
+        print("world size 1: point-to-point needs a peer, so nothing is sent; run with 2 or more ranks")
+        lessonlib.teardown()
+        return
+
+    if ctx.rank < 2:  # the timing demos use ranks 0 and 1; the others wait at the barriers
+        for numel in SIZES:
+            row = lessonlib.report("blocking", late_peer(ctx, numel, args.delay))
+            for key in ("send_s", "recv_s"):
+                if key in row:  # the timed call waited (most of) the peer's delay: it blocked
+                    assert row[key] >= 0.5 * args.delay, f"rank {ctx.rank}: {key} = {row[key]:.3f} s did not block"
+                    print(f"{numel:>9} elements: {key[:4]} took {row[key]:.3f} s with the peer {args.delay} s late")
+        row = lessonlib.report("nonblocking", late_peer_async(ctx, args.delay))
+        print(f"{row['call']} returned in {row['call_s'] * 1e3:.2f} ms, completed at once: "
+              f"{row['completed right after the call']}, wait() took {row['wait_s']:.3f} s")
+        if ctx.rank == 0:  # the receiver sleeps `delay`: the send cannot be finished right after isend
+            assert not row["completed right after the call"], "isend completed while the receiver slept"
+    else:
+        for _ in range(2 * len(SIZES) + 1):
+            dist.barrier()
+
+    got = pass_token(ctx, args.ring)
+    lessonlib.report("ring", {"how": args.ring, "got": got})
+    print(f"ring ({args.ring}): received token {got} from rank {(ctx.rank - 1) % ctx.world_size}")
+    lessonlib.teardown()
+
+
+if __name__ == "__main__":
+    main()
