@@ -4,6 +4,8 @@
 - `setup` / `teardown` join and leave the process group a lesson runs in (chapter 1).
 - `report` hands values from a rank to the notebook that launched it (chapter 1).
 - `show_table` and `reserve_port` are small display and networking helpers (chapter 1).
+- `plot_ranks` draws what each rank holds, one row per rank (chapter 2).
+- `check_function` checks an exercise answer that must run on every rank (chapter 2).
 
 Names are imported on first use: every rank and torchrun agent of a launch imports a piece of this
 package, and should not pay for the rest (psutil for the launcher, torch for `setup`).
@@ -16,6 +18,7 @@ _WHERE = {
     "MAX_NPROC": "launcher", "MAX_NNODES": "launcher",
     "setup": "dist", "teardown": "dist", "DistContext": "dist", "report": "dist", "pick_backend": "dist",
     "show_table": "display", "reserve_port": "ports",
+    "plot_ranks": "plots", "check_function": "exercises",
 }
 
 __all__ = list(_WHERE)

@@ -47,7 +47,7 @@ def try_reduce_op(ctx, name, dtype, group):
     n, values = ctx.world_size, [r + 1 for r in range(ctx.world_size)]  # rank r holds r + 1
     x = torch.full((3,), ctx.rank + 1, dtype=dtype)
     if name == "PREMUL_SUM":  # NCCL's "multiply by a factor, then sum", used to pre-divide gradients
-        dist.all_reduce(x, op=dist._make_nccl_premul_sum(0.5), group=group)
+        dist.all_reduce(x, op=dist.ReduceOp.PREMUL_SUM(0.5), group=group)
         expected = 0.5 * sum(values)
     else:
         dist.all_reduce(x, op=getattr(dist.ReduceOp, name), group=group)

@@ -6,8 +6,8 @@ Ranks 0 and 1 time each call while the peer deliberately shows up --delay second
   recv  waits for the sender;
   send  (on gloo) waits until the receiver has posted its recv, whatever the message size;
   isend/irecv return at once with a Work handle; its wait() blocks until the transfer is done.
-Then every rank passes its rank number to the next one in a ring, in the way --ring chooses:
-  isend (default), batch (batch_isend_irecv), even-odd (blocking calls in a safe order), or
+Then every rank passes its rank number to the next one in a ring, in each way --ring lists:
+  isend, batch (batch_isend_irecv), even-odd (blocking calls in a safe order): the default, all three;
   blocking (every rank sends first: on gloo each send waits for a recv nobody has posted, a deadlock
   that the process-group timeout, --pg-timeout, turns into an error).
 """
@@ -100,11 +100,15 @@ def pass_token(ctx, how):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--delay", type=float, default=0.5, help="seconds the peer arrives late")
-    parser.add_argument("--ring", choices=["isend", "batch", "even-odd", "blocking"], default="isend")
+    parser.add_argument("--ring", default="isend,batch,even-odd",
+                        help="comma-separated ways to pass the token: isend, batch, even-odd, blocking")
     parser.add_argument("--pg-timeout", type=float, default=None, help="process-group timeout, seconds")
     args = parser.parse_args()
     if args.delay <= 0:
         parser.error("--delay must be positive")
+    ways = args.ring.split(",")
+    if not ways or set(ways) - {"isend", "batch", "even-odd", "blocking"}:
+        parser.error(f"--ring: choose from isend, batch, even-odd, blocking; got {args.ring!r}")
 
     ctx = lessonlib.setup(timeout=args.pg_timeout)
     if ctx.world_size == 1:
@@ -128,9 +132,10 @@ def main():
         for _ in range(2 * len(SIZES) + 1):
             dist.barrier()
 
-    got = pass_token(ctx, args.ring)
-    lessonlib.report("ring", {"how": args.ring, "got": got})
-    print(f"ring ({args.ring}): received token {got} from rank {(ctx.rank - 1) % ctx.world_size}")
+    for how in ways:
+        got = pass_token(ctx, how)
+        lessonlib.report("ring", {"how": how, "got": got})
+        print(f"ring ({how}): received token {got} from rank {(ctx.rank - 1) % ctx.world_size}")
     lessonlib.teardown()
 
 
