@@ -25,6 +25,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/launch_overhead.py
+	$(BIN)/python benchmarks/collectives.py
 
 clean:
 	rm -rf _build

@@ -22,25 +22,47 @@ def _text(value):
     return f"{int(value)}" if isinstance(value, float) else str(value)
 
 
-def plot_ranks(panels, title=None, colour_of=None, box=0.55, ax=None):
-    """Draw every panel side by side; returns the matplotlib figure.
+def plot_ranks(panels, title=None, colour_of=None, box=0.55, ax=None, per_row=None):
+    """Draw the panels left to right, at most `per_row` to a row of the figure; returns the figure.
 
     colour_of(value) -> a number used for the colour (default: the value itself). The colour scale is
-    shared by all panels, so equal numbers have equal colours everywhere in the picture.
+    shared by all panels, so equal numbers have equal colours everywhere in the picture. With `ax`,
+    everything is drawn on that one axis (per_row is then ignored).
     """
     import matplotlib.pyplot as plt
 
     colour_of = colour_of or (lambda v: v)
-    n = max(len(rows) for rows in panels.values())
-    widths = [max([len(r) for r in rows if r is not None] or [1]) for rows in panels.values()]
     keys = [colour_of(v) for rows in panels.values() for r in rows if r is not None for v in r]
-    lo, hi = (min(keys), max(keys)) if keys else (0, 0)
-    gap = 1.5
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(max(4.0, box * (sum(widths) + gap * len(widths)) + 1.2),
-                                        0.5 + box * (n + 1.2)))
-    else:
+    lo, hi = min(keys, default=0), max(keys, default=0)
+    names = list(panels)
+    step = len(names) if ax is not None or not per_row else per_row
+    lines = [{k: panels[k] for k in names[i:i + step]} for i in range(0, len(names), step)]
+    if ax is not None:
+        _draw(ax, panels, colour_of, lo, hi)
         fig = ax.figure
+    else:
+        n = max(len(rows) for rows in panels.values())
+        widest = max(sum(_width(rows) + 1.5 for rows in line.values()) for line in lines)
+        fig, axes = plt.subplots(len(lines), 1, squeeze=False, figsize=(
+            max(4.0, box * widest + 1.2), len(lines) * (0.5 + box * (n + 1.2))))
+        for axis, line in zip(axes[:, 0], lines):
+            _draw(axis, line, colour_of, lo, hi)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    return fig
+
+
+def _width(rows):
+    return max([len(r) for r in rows if r is not None] or [1])
+
+
+def _draw(ax, panels, colour_of, lo, hi):
+    """Boxes for every panel on one axis, left to right, coloured on the shared scale lo..hi."""
+    import matplotlib.pyplot as plt
+
+    n = max(len(rows) for rows in panels.values())
+    widths = [_width(rows) for rows in panels.values()]
+    gap = 1.5
     x0 = 0.0
     for (name, rows), width in zip(panels.items(), widths):
         ax.text(x0 + width / 2, -0.9, name, ha="center", va="center", fontsize=10, weight="bold")
@@ -63,6 +85,3 @@ def plot_ranks(panels, title=None, colour_of=None, box=0.55, ax=None):
     ax.set_ylim(n + 0.2, -1.4)
     ax.set_aspect("equal")
     ax.axis("off")
-    if title:
-        ax.set_title(title, fontsize=11)
-    return fig
