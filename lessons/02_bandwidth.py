@@ -3,8 +3,9 @@
 Latency and bandwidth of collectives against message size, on this machine, with this backend.
 
 For each op and size: two warm-up calls, three calls to estimate the time per call, then as many
-timed calls as fill --min-seconds (the ranks agree on that count: they must all make the same calls). A collective is as slow as its slowest rank, so each size's time is the maximum over ranks of the
-per-call mean. Two bandwidths follow, as in nccl-tests:
+timed calls as fill --min-seconds (the ranks agree on that count: they must all make the same
+calls). A collective is as slow as its slowest rank, so each size's time is the maximum over ranks
+of the per-call mean. Two bandwidths follow, as in nccl-tests:
   algbw = S / t, where S is the data one rank ends up with (all_reduce, broadcast: the tensor;
           all_gather: the gathered output; reduce_scatter: the input it reduces);
   busbw = algbw x factor, the rate each rank's link really carries: 2(n-1)/n for all_reduce,

@@ -35,7 +35,9 @@ def tracked_notebooks():
 
 def build_book(book_dir, timeout=BUILD_TIMEOUT):
     """Run `jupyter-book build` (warnings as errors) in its own session; kill the whole tree on timeout."""
-    cmd = [str(JUPYTER_BOOK), "build", str(book_dir), "-W", "-n", "--keep-going"]
+    # --all: without it, a _build/ left by an earlier build makes Sphinx skip unchanged chapters,
+    # and they would not be executed this time.
+    cmd = [str(JUPYTER_BOOK), "build", str(book_dir), "--all", "-W", "-n", "--keep-going"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
