@@ -33,25 +33,25 @@ def bus_factor(op, n):
 # [end: bus_factor]
 
 
-def make_call(op, nbytes, n):
+def make_call(op, nbytes, n, device):
     """`op` on float32 data of S = nbytes: the call, and a check that fills rank-dependent values,
     runs the call once more and compares with the closed form."""
     numel = max(nbytes // 4 // n * n, n)  # a multiple of n, so every rank's share is equal
     r = dist.get_rank()
     if op == "all_reduce":
-        x = out = torch.zeros(numel)  # zeros: the timed calls keep the data finite
+        x = out = torch.zeros(numel, device=device)  # zeros: the timed calls keep the data finite
         call = lambda: dist.all_reduce(x)  # noqa: E731
         expected = n * (n + 1) / 2  # sum of (rank + 1)
     elif op == "broadcast":
-        x = out = torch.zeros(numel)
+        x = out = torch.zeros(numel, device=device)
         call = lambda: dist.broadcast(x, src=0)  # noqa: E731
         expected = 1.0  # rank 0's value, rank + 1
     elif op == "all_gather":
-        x, out = torch.zeros(numel // n), torch.empty(numel)
+        x, out = torch.zeros(numel // n, device=device), torch.empty(numel, device=device)
         call = lambda: dist.all_gather_single(out, x)  # noqa: E731
-        expected = torch.arange(1, n + 1, dtype=torch.float32).repeat_interleave(numel // n)
+        expected = torch.arange(1, n + 1, dtype=torch.float32, device=device).repeat_interleave(numel // n)
     else:
-        x, out = torch.zeros(numel), torch.empty(numel // n)
+        x, out = torch.zeros(numel, device=device), torch.empty(numel // n, device=device)
         call = lambda: dist.reduce_scatter_single(out, x)  # noqa: E731
         expected = n * (n + 1) / 2
 
@@ -63,8 +63,11 @@ def make_call(op, nbytes, n):
 
 
 # [start: measure]
-def measure(op, nbytes, n, min_seconds):
-    call, check, numel = make_call(op, nbytes, n)
+def measure(op, nbytes, n, min_seconds, device):
+    call, check, numel = make_call(op, nbytes, n, device)
+    if device.type == "cuda":  # a GPU collective returns once queued: wait for the GPU before the clock
+        queue = call
+        call = lambda: (queue(), torch.cuda.synchronize())  # noqa: E731
     for _ in range(2):
         call()  # warm-up: first calls set up buffers and connections
     dist.barrier()
@@ -73,13 +76,14 @@ def measure(op, nbytes, n, min_seconds):
         call()
     # Every rank must make the same number of calls: a rank that stops early leaves the others in a
     # collective it never joins. So the ranks agree on the count (the largest estimate) first.
-    calls = torch.tensor([max(3, min(1000, int(min_seconds / ((time.perf_counter() - start) / 3))))])
+    per_call = max(time.perf_counter() - start, 1e-9) / 3
+    calls = torch.tensor([max(3, min(1000, int(min_seconds / per_call)))], device=device)
     dist.all_reduce(calls, op=dist.ReduceOp.MAX)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(calls.item()):
         call()
-    mean = torch.tensor([(time.perf_counter() - start) / calls.item()])
+    mean = torch.tensor([(time.perf_counter() - start) / calls.item()], device=device)
     dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     check()
     seconds, size = mean.item(), numel * 4
@@ -88,14 +92,17 @@ def measure(op, nbytes, n, min_seconds):
 # [end: measure]
 
 
-def memcpy_bandwidth(nbytes, repeats=5):
-    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+def memcpy_bandwidth(nbytes, device, repeats=5):
+    """Copy bandwidth on this rank's device (host memory on CPU), every rank copying at once."""
+    src, dst = torch.ones(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
     dst.copy_(src)
     dist.barrier()  # all ranks copy at the same time, as they would during a collective
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return nbytes / best / 1e9
 
@@ -122,11 +129,11 @@ def main():
         print("world size 1: nothing moves between ranks, so busbw is 0; run with 2 or more ranks")
     for op in ops:
         for nbytes in sizes:
-            row = lessonlib.report("bandwidth", measure(op, nbytes, n, args.min_seconds))
+            row = lessonlib.report("bandwidth", measure(op, nbytes, n, args.min_seconds, ctx.device))
             if ctx.is_main:
                 print(f"{op:<15}{row['bytes']:>10} B {row['time (us)']:>10.0f} us  algbw {row['algbw (GB/s)']:6.3f}"
                       f"  busbw {row['busbw (GB/s)']:6.3f} GB/s")
-    copy = lessonlib.report("memcpy", {"bytes": 64 << 20, "GB/s": memcpy_bandwidth(64 << 20)})
+    copy = lessonlib.report("memcpy", {"bytes": 64 << 20, "GB/s": memcpy_bandwidth(64 << 20, ctx.device)})
     print(f"rank {ctx.rank}: memcpy {copy['GB/s']:.2f} GB/s (64 MiB, all ranks copying at once)")
     lessonlib.teardown()
 

@@ -27,8 +27,9 @@ OPS = ["broadcast", "scatter", "reduce", "gather", "all_reduce", "all_gather", "
 REDUCE_OPS = ["SUM", "PRODUCT", "MIN", "MAX", "AVG"]
 
 
-def start(rank, n, dtype=torch.int64):
-    return torch.tensor([10 * rank + j + 1 for j in range(n)], dtype=dtype)
+def start(ctx, rank, n, dtype=torch.int64):
+    """Rank `rank`'s starting tensor, on this process's device (a GPU under NCCL)."""
+    return torch.tensor([10 * rank + j + 1 for j in range(n)], dtype=dtype, device=ctx.device)
 
 
 def value(r, j):
@@ -46,23 +47,23 @@ def show(ctx, op, before, after, expected, note=""):
 
 # [start: one_to_many]
 def run_broadcast(ctx, n):
-    x = start(ctx.rank, n)
+    x = start(ctx, ctx.rank, n)
     before = x.tolist()
     dist.broadcast(x, src=0)  # every rank ends with rank 0's tensor
     show(ctx, "broadcast", before, x.tolist(), [value(0, j) for j in range(n)])
 
 
 def run_scatter(ctx, n):
-    out = torch.zeros(1, dtype=torch.int64)
-    chunks = list(start(0, n).chunk(n)) if ctx.is_main else None  # only the source holds the list
+    out = torch.zeros(1, dtype=torch.int64, device=ctx.device)
+    chunks = list(start(ctx, 0, n).chunk(n)) if ctx.is_main else None  # only the source holds the list
     dist.scatter(out, chunks, src=0)  # rank k receives chunk k
-    show(ctx, "scatter", start(0, n).tolist() if ctx.is_main else None, out.tolist(), [value(0, ctx.rank)])
+    show(ctx, "scatter", start(ctx, 0, n).tolist() if ctx.is_main else None, out.tolist(), [value(0, ctx.rank)])
 # [end: one_to_many]
 
 
 # [start: many_to_one]
 def run_reduce(ctx, n):
-    x = start(ctx.rank, n)
+    x = start(ctx, ctx.rank, n)
     before = x.tolist()
     dist.reduce(x, dst=0, op=dist.ReduceOp.SUM)
     total = [sum(value(r, j) for r in range(n)) for j in range(n)]
@@ -74,8 +75,8 @@ def run_reduce(ctx, n):
 
 
 def run_gather(ctx, n):
-    x = start(ctx.rank, n)
-    out = [torch.zeros(n, dtype=torch.int64) for _ in range(n)] if ctx.is_main else None
+    x = start(ctx, ctx.rank, n)
+    out = [torch.zeros(n, dtype=torch.int64, device=ctx.device) for _ in range(n)] if ctx.is_main else None
     dist.gather(x, out, dst=0)
     expected = [value(r, j) for r in range(n) for j in range(n)] if ctx.is_main else None
     show(ctx, "gather (to 0)", x.tolist(), torch.cat(out).tolist() if ctx.is_main else None, expected)
@@ -93,7 +94,7 @@ def run_all_reduce(ctx, n):
     }
     for name in REDUCE_OPS:
         dtype = torch.float64 if name == "AVG" else torch.int64  # AVG divides: see 02_gloo_support.py
-        x = start(ctx.rank, n, dtype)
+        x = start(ctx, ctx.rank, n, dtype)
         before = x.tolist()
         dist.all_reduce(x, op=getattr(dist.ReduceOp, name))
         show(ctx, f"all_reduce {name}", before, x.tolist(), [closed_form[name](j) for j in range(n)])
@@ -102,45 +103,45 @@ def run_all_reduce(ctx, n):
 
 # [start: all_to_all]
 def run_all_gather(ctx, n):
-    x = start(ctx.rank, n)
-    out = [torch.zeros(n, dtype=torch.int64) for _ in range(n)]
+    x = start(ctx, ctx.rank, n)
+    out = [torch.zeros(n, dtype=torch.int64, device=ctx.device) for _ in range(n)]
     dist.all_gather(out, x)  # a list with one tensor per rank
     show(ctx, "all_gather", x.tolist(), torch.cat(out).tolist(), [value(r, j) for r in range(n) for j in range(n)])
 
 
 def run_all_gather_single(ctx, n):
-    x = start(ctx.rank, n)
-    out = torch.zeros(n * n, dtype=torch.int64)
+    x = start(ctx, ctx.rank, n)
+    out = torch.zeros(n * n, dtype=torch.int64, device=ctx.device)
     # One flat output tensor instead of a list of n. torch 2.14 renamed all_gather_into_tensor to this.
     dist.all_gather_single(out, x)
     show(ctx, "all_gather_single", x.tolist(), out.tolist(), [value(r, j) for r in range(n) for j in range(n)])
 
 
 def run_reduce_scatter_single(ctx, n):
-    x = start(ctx.rank, n)
-    out = torch.zeros(1, dtype=torch.int64)
+    x = start(ctx, ctx.rank, n)
+    out = torch.zeros(1, dtype=torch.int64, device=ctx.device)
     # Rank k gets the sum of everyone's chunk k (formerly reduce_scatter_tensor; reduce_scatter takes lists).
     dist.reduce_scatter_single(out, x, op=dist.ReduceOp.SUM)
     show(ctx, "reduce_scatter_single", x.tolist(), out.tolist(), [sum(value(r, ctx.rank) for r in range(n))])
 
 
 def run_all_to_all_single(ctx, n):
-    x = start(ctx.rank, n)
-    out = torch.zeros(n, dtype=torch.int64)
+    x = start(ctx, ctx.rank, n)
+    out = torch.zeros(n, dtype=torch.int64, device=ctx.device)
     dist.all_to_all_single(out, x)  # rank k sends its chunk j to rank j: a transpose across ranks
     show(ctx, "all_to_all_single", x.tolist(), out.tolist(), [value(r, ctx.rank) for r in range(n)])
 # [end: all_to_all]
 
 
 # [start: barriers]
-def run_barrier(ctx, n, monitored=False, absent_rank=-1):
+def run_barrier(ctx, n, monitored=False, absent_rank=-1, gloo=None):
     time.sleep(0.2 * ctx.rank)  # ranks arrive at different times
     arrived = time.time()
     if ctx.rank == absent_rank:
         print(f"rank {ctx.rank}: not going to the barrier (--absent-rank)", flush=True)
         time.sleep(60)
     if monitored:  # gloo only: rank 0 checks in every rank and names any that does not arrive in time
-        dist.monitored_barrier(timeout=datetime.timedelta(seconds=5))
+        dist.monitored_barrier(group=gloo, timeout=datetime.timedelta(seconds=5))
     else:
         dist.barrier()
     left = time.time()
@@ -167,11 +168,16 @@ def main():
 
     ctx = lessonlib.setup(timeout=args.pg_timeout)
     n = ctx.world_size
+    # monitored_barrier exists on gloo only: under NCCL it runs on a gloo group of all ranks.
+    gloo = dist.group.WORLD if ctx.backend == "gloo" else dist.new_group(backend="gloo", timeout=ctx.timeout)
+    runs = {"broadcast": run_broadcast, "scatter": run_scatter, "reduce": run_reduce, "gather": run_gather,
+            "all_reduce": run_all_reduce, "all_gather": run_all_gather, "all_gather_single": run_all_gather_single,
+            "reduce_scatter_single": run_reduce_scatter_single, "all_to_all_single": run_all_to_all_single}
     for op in ops:
         if op in ("barrier", "monitored_barrier"):
-            run_barrier(ctx, n, monitored=op == "monitored_barrier", absent_rank=args.absent_rank)
+            run_barrier(ctx, n, monitored=op == "monitored_barrier", absent_rank=args.absent_rank, gloo=gloo)
         else:
-            globals()[f"run_{op}"](ctx, n)
+            runs[op](ctx, n)
     if ctx.is_main:
         print(f"{len(ops)} ops checked on {n} ranks against their closed forms, backend {ctx.backend}")
     lessonlib.teardown()

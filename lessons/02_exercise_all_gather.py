@@ -3,8 +3,8 @@
 Checker for the chapter 2 exercise: all_gather built from dist.broadcast alone.
 
 A solution is a function `f(tensor_list, tensor)` that, like dist.all_gather, fills tensor_list[k]
-with rank k's `tensor` on every rank, and leaves `tensor` unchanged. While it runs, the other gather
-collectives raise, so it really has to use broadcast. It is checked on several shapes and dtypes with
+with rank k's `tensor` on every rank, and leaves `tensor` unchanged. While it runs, every other
+collective raises, so it really has to use broadcast. It is checked on several shapes and dtypes with
 values that say which rank they came from. The ranks agree on the verdict before anyone reports it.
 
 Without --solution the checker tests itself: dist.all_gather must pass (run unguarded), and a
@@ -20,18 +20,22 @@ import torch.distributed as dist
 import lessonlib
 from lessonlib.exercises import load_function
 
-GATHERS = ["all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object", "gather"]
+# Everything that could stand in for broadcast; the checker's own bookkeeping runs after they are back.
+OTHERS = ["all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object", "gather",
+          "gather_object", "all_reduce", "reduce", "scatter", "all_to_all", "all_to_all_single",
+          "reduce_scatter", "reduce_scatter_single", "send", "recv", "isend", "irecv", "batch_isend_irecv"]
 
 
 @contextlib.contextmanager
 def only_broadcast():
-    """Make the gather collectives raise while a solution runs (restored afterwards)."""
-    saved = {name: getattr(dist, name) for name in GATHERS}
+    """Make every collective but broadcast raise while a solution runs (restored afterwards)."""
+    saved = {name: getattr(dist, name) for name in OTHERS}
 
     def refuse(*args, **kwargs):
-        raise RuntimeError("this exercise builds all_gather from dist.broadcast: other gathers are off")
+        raise RuntimeError("this exercise builds all_gather from dist.broadcast alone: "
+                           "other collectives are off")
 
-    for name in GATHERS:
+    for name in OTHERS:
         setattr(dist, name, refuse)
     try:
         yield
@@ -45,13 +49,13 @@ def verdict(fn, ctx, guard=True):
     n, r = ctx.world_size, ctx.rank
     problem = None
     for shape, dtype in [((3,), torch.int64), ((2, 2), torch.float32), ((1,), torch.float64)]:
-        tensor = torch.full(shape, 10 * r + 1, dtype=dtype)  # the tens digit names the rank
+        tensor = torch.full(shape, 10 * r + 1, dtype=dtype, device=ctx.device)  # tens digit: the rank
         original = tensor.clone()
-        out = [torch.full(shape, -1, dtype=dtype) for _ in range(n)]
+        out = [torch.full(shape, -1, dtype=dtype, device=ctx.device) for _ in range(n)]
         with only_broadcast() if guard else contextlib.nullcontext():
             fn(out, tensor)
         for k in range(n):
-            if problem is None and not torch.equal(out[k], torch.full(shape, 10 * k + 1, dtype=dtype)):
+            if problem is None and not torch.equal(out[k].cpu(), torch.full(shape, 10 * k + 1, dtype=dtype)):
                 problem = f"shape {shape}: tensor_list[{k}] is {out[k].flatten().tolist()}, rank {k} sent {10 * k + 1}"
         if problem is None and not torch.equal(tensor, original):
             problem = f"shape {shape}: the input tensor changed to {tensor.flatten().tolist()}"
@@ -60,7 +64,7 @@ def verdict(fn, ctx, guard=True):
 
 def agreed(ctx, problem):
     """True on every rank iff no rank saw a problem (so all ranks reach the same verdict)."""
-    ok = torch.tensor([0 if problem else 1])
+    ok = torch.tensor([0 if problem else 1], device=ctx.device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())
 

@@ -1,12 +1,12 @@
 """torchrun --nproc_per_node=2 lessons/02_gloo_support.py
 
-Which collectives and reduce ops this backend supports, found by calling each one for real.
+Which collectives and reduce ops gloo supports, found by calling each one for real.
 
 Every rank tries every op on int64, float32 and bfloat16 CPU tensors, checks the result of each call
 that succeeds against a closed form, and records the error of each call that fails. Each call runs in
-a fresh group, so one failure cannot spoil the next. The ranks must agree on every outcome (asserted).
-Then three things gloo refuses are done another way, and checked: PREMUL_SUM, an average of integers
-(the `reduce_mean` of one source note), and all_gather of tensors of different sizes.
+a fresh gloo group (also when the default group is NCCL), so one failure cannot spoil the next. The
+ranks must agree on every outcome (asserted). lessons/02_gloo_workarounds.py does what gloo refuses
+another way.
 """
 
 import argparse
@@ -29,7 +29,7 @@ def outcome(ctx, fn):
     Each call runs in a fresh group of all ranks, dropped afterwards: a gloo group whose op failed may
     re-raise that error from its next call, and one failure must not spoil the next probe.
     """
-    group = dist.new_group(backend=ctx.backend, timeout=ctx.timeout)
+    group = dist.new_group(backend="gloo", timeout=ctx.timeout)  # gloo is what this lesson examines
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -106,35 +106,6 @@ def collective_calls(ctx):
     }
 
 
-# [start: workarounds]
-def premul_sum_by_hand(x, factor):
-    """What PREMUL_SUM(factor) computes, on a backend without it: scale locally, then SUM."""
-    y = x * factor
-    dist.all_reduce(y, op=dist.ReduceOp.SUM)
-    return y
-
-
-def reduce_mean(x):
-    """Average over ranks that works for any dtype: a float copy, SUM, divide by the *group's* size."""
-    y = x.double()  # AVG or `/=` on an int64 tensor fails: the mean is not an integer
-    dist.all_reduce(y, op=dist.ReduceOp.SUM)
-    return y / dist.get_world_size()
-
-
-def all_gather_uneven(x):
-    """all_gather for tensors whose first dimension differs per rank: share lengths, pad, gather, trim."""
-    n = dist.get_world_size()
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-    dist.all_gather(lengths, torch.tensor([x.shape[0]]))
-    longest = max(int(t) for t in lengths)
-    padded = torch.zeros(longest, *x.shape[1:], dtype=x.dtype)
-    padded[: x.shape[0]] = x
-    out = [torch.empty_like(padded) for _ in range(n)]
-    dist.all_gather(out, padded)
-    return [t[: int(length)] for t, length in zip(out, lengths)]
-# [end: workarounds]
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.parse_args()
@@ -154,16 +125,10 @@ def main():
     differ = [k for k, e in enumerate(everyone) if e != worked]
     assert not differ, f"rank {r}: ranks {differ} saw other outcomes than this rank"
 
-    x = torch.tensor([r + 1, 10 * (r + 1)])
-    assert premul_sum_by_hand(x.double(), 0.5).tolist() == [0.5 * n * (n + 1) / 2, 5.0 * n * (n + 1) / 2]
-    assert reduce_mean(x).tolist() == [(n + 1) / 2, 10 * (n + 1) / 2], f"rank {r}: reduce_mean"
-    parts = all_gather_uneven(torch.full((r + 1,), r))  # rank r contributes r + 1 copies of r
-    assert [p.tolist() for p in parts] == [[k] * (k + 1) for k in range(n)], f"rank {r}: {parts}"
-
     if ctx.is_main:
         for row in table + calls:
             print(" | ".join(f"{v}" for v in row.values()))
-        print(f"backend {ctx.backend}, {n} ranks: outcomes agree on every rank; 3 workarounds checked")
+        print(f"gloo, {n} ranks: outcomes agree on every rank")
     lessonlib.report("reduce_ops", table)
     lessonlib.report("calls", calls)
     lessonlib.teardown()

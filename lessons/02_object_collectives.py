@@ -59,8 +59,8 @@ def median_seconds(fn, repeats):
 def cost(ctx, nbytes, repeats):
     """Same payload as a tensor and as an object: broadcast and all_gather, median seconds each."""
     n = ctx.world_size
-    tensor = torch.full((nbytes,), ctx.rank, dtype=torch.uint8)
-    obj = bytes(tensor.numpy())  # the same bytes, as a Python object
+    tensor = torch.full((nbytes,), ctx.rank, dtype=torch.uint8, device=ctx.device)
+    obj = bytes(tensor.cpu().numpy())  # the same bytes, as a Python object
     out = [torch.empty_like(tensor) for _ in range(n)]
     objs = [None] * n
     floats = [float(ctx.rank)] * (nbytes // 8)  # a list of Python floats, e.g. per-sample losses

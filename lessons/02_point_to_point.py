@@ -2,9 +2,10 @@
 
 send/recv and isend/irecv between two ranks: what blocks, measured, then a token passed around a ring.
 
-Ranks 0 and 1 time each call while the peer deliberately shows up --delay seconds late:
-  recv  waits for the sender;
-  send  (on gloo) waits until the receiver has posted its recv, whatever the message size;
+Ranks 0 and 1 time each call while the peer deliberately shows up --delay seconds late, and check
+the order of events with timestamps (one clock: one machine):
+  recv  returns only after the sender has called send;
+  send  (on gloo) returns only after the receiver has posted its recv, whatever the message size;
   isend/irecv return at once with a Work handle; its wait() blocks until the transfer is done.
 Then every rank passes its rank number to the next one in a ring, in each way --ring lists:
   isend, batch (batch_isend_irecv), even-odd (blocking calls in a safe order): the default, all three;
@@ -30,39 +31,56 @@ def timed(fn):
 
 
 # [start: blocking]
-def late_peer(ctx, numel, delay):
+def late_peer(ctx, numel, delay, pair):
     """Rank 0 sends, rank 1 receives; whichever side is not timed shows up `delay` s late."""
-    x = torch.ones(numel)
-    dist.barrier()
-    if ctx.rank == 0:  # 1) the receiver is late: how long does send take?
-        _, send_s = timed(lambda: dist.send(x, dst=1))
-    else:
-        time.sleep(delay)
-        dist.recv(x, src=0)
-    dist.barrier()
-    if ctx.rank == 1:  # 2) the sender is late: how long does recv take?
-        _, recv_s = timed(lambda: dist.recv(x, src=0))
-    else:
-        time.sleep(delay)
+    x = torch.ones(numel, device=ctx.device)
+    stamps = {}
+    dist.barrier(group=pair)
+    if ctx.rank == 0:  # 1) the receiver is late: when does send return?
+        start = time.time()
         dist.send(x, dst=1)
-    return {"numel": numel, "send_s" if ctx.rank == 0 else "recv_s": send_s if ctx.rank == 0 else recv_s}
+        stamps.update(send_s=time.time() - start, send_returned=time.time())
+    else:
+        time.sleep(delay)
+        stamps["recv_posted"] = time.time()
+        dist.recv(x, src=0)
+    dist.barrier(group=pair)
+    if ctx.rank == 1:  # 2) the sender is late: when does recv return?
+        start = time.time()
+        dist.recv(x, src=0)
+        stamps.update(recv_s=time.time() - start, recv_returned=time.time())
+    else:
+        time.sleep(delay)
+        stamps["send_called"] = time.time()
+        dist.send(x, dst=1)
+    both = [None, None]
+    dist.all_gather_object(both, stamps, group=pair)  # one clock: both ranks are on this machine
+    sender, receiver = both
+    assert receiver["recv_returned"] >= sender["send_called"], "recv returned before the data was sent"
+    if ctx.backend == "gloo":  # the claim under test: a gloo send waits for the matching recv
+        assert sender["send_returned"] >= receiver["recv_posted"], f"{numel} elements: send returned first"
+    took = "send_s" if ctx.rank == 0 else "recv_s"
+    return {"numel": numel, took: stamps[took]}
 # [end: blocking]
 
 
 # [start: nonblocking]
-def late_peer_async(ctx, delay):
+def late_peer_async(ctx, pair):
     """isend/irecv return at once; the Work they return says whether the transfer is done."""
-    x = torch.full((4,), float(ctx.rank))
-    dist.barrier()
+    x = torch.full((4,), float(ctx.rank), device=ctx.device)
     if ctx.rank == 0:
         work, call_s = timed(lambda: dist.isend(x, dst=1))
+        done_at_once = work.is_completed()
+        dist.barrier(group=pair)  # only now does rank 1 post its irecv
     else:
-        time.sleep(delay)
+        dist.barrier(group=pair)
         work, call_s = timed(lambda: dist.irecv(x, src=0))
-    done_at_once = work.is_completed()  # the peer is asleep (rank 0) or just arrived: not done yet
+        done_at_once = work.is_completed()
     _, wait_s = timed(work.wait)
     assert work.is_completed(), f"rank {ctx.rank}: Work not completed after wait()"
-    assert torch.equal(x, torch.zeros(4)), f"rank {ctx.rank}: after wait() the data is {x.tolist()}"
+    assert torch.all(x == 0), f"rank {ctx.rank}: after wait() the data is {x.tolist()}"
+    if ctx.rank == 0 and ctx.backend == "gloo":  # no recv was posted yet: the send cannot be done
+        assert not done_at_once, "isend completed before the receiver posted its recv"
     return {"call": "isend" if ctx.rank == 0 else "irecv", "call_s": call_s,
             "completed right after the call": done_at_once, "wait_s": wait_s}
 # [end: nonblocking]
@@ -73,7 +91,7 @@ def pass_token(ctx, how):
     """Send this rank's number to the next rank; receive the previous rank's number."""
     n, r = ctx.world_size, ctx.rank
     nxt, prev = (r + 1) % n, (r - 1) % n
-    out, got = torch.tensor([r]), torch.tensor([-1])
+    out, got = torch.tensor([r], device=ctx.device), torch.tensor([-1], device=ctx.device)
     if how == "blocking":  # every rank sends first: each waits for a recv that is never posted
         dist.send(out, dst=nxt)
         dist.recv(got, src=prev)
@@ -116,22 +134,17 @@ def main():
         lessonlib.teardown()
         return
 
-    if ctx.rank < 2:  # the timing demos use ranks 0 and 1; the others wait at the barriers
+    pair = dist.new_group([0, 1], backend="gloo", timeout=ctx.timeout)  # every rank calls new_group
+    if ctx.rank < 2:  # the timing demos use ranks 0 and 1; the others go straight to the ring
         for numel in SIZES:
-            row = lessonlib.report("blocking", late_peer(ctx, numel, args.delay))
-            for key in ("send_s", "recv_s"):
-                if key in row:  # the timed call waited (most of) the peer's delay: it blocked
-                    assert row[key] >= 0.5 * args.delay, f"rank {ctx.rank}: {key} = {row[key]:.3f} s did not block"
-                    print(f"{numel:>9} elements: {key[:4]} took {row[key]:.3f} s with the peer {args.delay} s late")
-        row = lessonlib.report("nonblocking", late_peer_async(ctx, args.delay))
+            row = lessonlib.report("blocking", late_peer(ctx, numel, args.delay, pair))
+            key = "send_s" if ctx.rank == 0 else "recv_s"
+            print(f"{numel:>9} elements: {key[:4]} took {row[key]:.3f} s with the peer {args.delay} s late")
+        row = lessonlib.report("nonblocking", late_peer_async(ctx, pair))
         print(f"{row['call']} returned in {row['call_s'] * 1e3:.2f} ms, completed at once: "
               f"{row['completed right after the call']}, wait() took {row['wait_s']:.3f} s")
-        if ctx.rank == 0:  # the receiver sleeps `delay`: the send cannot be finished right after isend
-            assert not row["completed right after the call"], "isend completed while the receiver slept"
-    else:
-        for _ in range(2 * len(SIZES) + 1):
-            dist.barrier()
 
+    dist.barrier()  # everyone starts the ring together
     for how in ways:
         got = pass_token(ctx, how)
         lessonlib.report("ring", {"how": how, "got": got})

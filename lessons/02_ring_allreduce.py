@@ -105,7 +105,7 @@ def check_lengths(ctx, lengths):
     rows = []
     for length in lengths:
         g = torch.Generator().manual_seed(1000 * length + r)  # different data on every rank
-        x = torch.randint(-1000, 1000, (length,), generator=g)
+        x = torch.randint(-1000, 1000, (length,), generator=g).to(ctx.device)
         want = x.clone()
         dist.all_reduce(want)
         row = {"length": length}
@@ -117,6 +117,27 @@ def check_lengths(ctx, lengths):
         assert row["whole-tensor ring sent"] == (n - 1) * length
         rows.append(row)
     return rows
+
+
+def timing(ctx, numel, repeats):
+    """Best-of-`repeats` time of the ring and of dist.all_reduce on the same floats; their difference."""
+    big = torch.randn(numel, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
+    times, results = {}, {}
+    for name, fn in [("ring_all_reduce", ring_all_reduce), ("dist.all_reduce", dist.all_reduce)]:
+        best = float("inf")
+        for _ in range(repeats):
+            y = big.clone()
+            dist.barrier()
+            start = time.perf_counter()
+            fn(y)
+            if y.is_cuda:
+                torch.cuda.synchronize()  # on a GPU the call returns before the work is done
+            best = min(best, time.perf_counter() - start)
+        times[name], results[name] = best, y
+    ring, ref = results["ring_all_reduce"], results["dist.all_reduce"]
+    diff = (ring - ref).abs().max().item()  # float sums taken in another order differ by rounding
+    assert torch.allclose(ring, ref, rtol=1e-5, atol=1e-5), f"rank {ctx.rank}: float ring differs by {diff}"
+    return {**{k + " (ms)": v * 1e3 for k, v in times.items()}, "max |ring - all_reduce|": diff}
 
 
 def main():
@@ -139,32 +160,16 @@ def main():
     print(f"rank {r}: elements sent for length {rows[-1]['length']}: " +
           ", ".join(f"{k[:-5]} {v}" for k, v in rows[-1].items() if k != "length"))
 
-    x = torch.full((n,), 10 ** r, dtype=torch.int64)  # the digits of the sum say which ranks are in it
+    x = torch.full((n,), 10 ** r, dtype=torch.int64, device=ctx.device)  # the digits of the sum say which ranks are in it
     snapshots = [x.tolist()]
     ring_all_reduce(x, snapshots)
     assert x.tolist() == [int("1" * n)] * n, f"rank {r}: {x.tolist()}"
     lessonlib.report("steps", snapshots)
 
-    big = torch.randn(args.numel, generator=torch.Generator().manual_seed(r))
-    times = {}
-    for name, fn in [("ring_all_reduce", ring_all_reduce), ("dist.all_reduce", dist.all_reduce)]:
-        best = float("inf")
-        for _ in range(args.repeats):
-            y = big.clone()
-            dist.barrier()
-            start = time.perf_counter()
-            fn(y)
-            best = min(best, time.perf_counter() - start)
-        times[name] = best
-        results = y
-    ring_float = big.clone()
-    ring_all_reduce(ring_float)
-    diff = (ring_float - results).abs().max().item()  # float sums in another order differ by rounding
-    assert torch.allclose(ring_float, results, rtol=1e-5, atol=1e-5), f"rank {r}: float ring differs by {diff}"
-    row = lessonlib.report("timing", {**{k + " (ms)": v * 1e3 for k, v in times.items()}, "max |ring - all_reduce|": diff})
+    row = lessonlib.report("timing", timing(ctx, args.numel, args.repeats))
     if ctx.is_main:
         print(f"{args.numel} floats: ring {row['ring_all_reduce (ms)']:.1f} ms, dist.all_reduce "
-              f"{row['dist.all_reduce (ms)']:.1f} ms, max float difference {diff:.2e}")
+              f"{row['dist.all_reduce (ms)']:.1f} ms, max float difference {row['max |ring - all_reduce|']:.2e}")
     lessonlib.teardown()
 
 

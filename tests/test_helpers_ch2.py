@@ -38,6 +38,13 @@ def gather_with_all_gather(tensor_list, tensor):
     dist.all_gather(tensor_list, tensor)  # noqa: F821
 
 
+def gather_with_all_reduce(tensor_list, tensor):
+    for k in range(dist.get_world_size()):  # noqa: F821
+        slot = tensor.clone() if dist.get_rank() == k else torch.zeros_like(tensor)  # noqa: F821
+        dist.all_reduce(slot)  # noqa: F821 - correct result, but not built from broadcast
+        tensor_list[k].copy_(slot)
+
+
 def test_check_function_accepts_a_correct_solution():
     run = lessonlib.check_function(gather_by_broadcast, CHECKER, nproc=3, show="none")
     assert run.ok and all("gathers like dist.all_gather" in r.stdout for r in run.ranks)
@@ -48,9 +55,10 @@ def test_check_function_rejects_a_wrong_solution_and_says_why():
         lessonlib.check_function(gather_in_place, CHECKER, nproc=3, show="none")
 
 
-def test_check_function_enforces_the_rules_of_the_exercise():
-    with pytest.raises(AssertionError, match="other gathers are off"):
-        lessonlib.check_function(gather_with_all_gather, CHECKER, nproc=2, show="none")
+@pytest.mark.parametrize("fn", [gather_with_all_gather, gather_with_all_reduce], ids=lambda f: f.__name__)
+def test_check_function_enforces_the_rules_of_the_exercise(fn):
+    with pytest.raises(AssertionError, match="other collectives are off"):
+        lessonlib.check_function(fn, CHECKER, nproc=2, show="none")
 
 
 def test_check_function_refuses_what_has_no_source_before_launching():
