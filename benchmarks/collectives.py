@@ -20,18 +20,15 @@ import lessonlib  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--world-sizes", default="2,4")
+    parser.add_argument("--world-sizes", type=lessonlib.comma_list(int, low=2, high=lessonlib.MAX_NPROC),
+                        default="2,4", help=f"comma-separated, each within 2..{lessonlib.MAX_NPROC}")
     parser.add_argument("--numel", type=int, default=4_000_000)
     args = parser.parse_args()
-    try:
-        sizes = [int(s) for s in args.world_sizes.split(",")]
-    except ValueError:
-        parser.error(f"--world-sizes must be comma-separated integers, got {args.world_sizes!r}")
-    if not sizes or min(sizes) < 2 or max(sizes) > lessonlib.MAX_NPROC or args.numel < 1:
-        parser.error(f"--world-sizes must be within 2..{lessonlib.MAX_NPROC}; --numel at least 1")
+    if args.numel < 1:
+        parser.error("--numel must be at least 1")
 
     print(f"{'ranks':>5}  {'measure':<28}{'value':>8}")
-    for n in sizes:
+    for n in args.world_sizes:
         run = lessonlib.launch(ROOT / "lessons/02_bandwidth.py", nproc=n, timeout=300, show="none").raise_for_status()
         memcpy = min(v["GB/s"] for _, v in run.reports("memcpy"))
         rows = [v for r, v in run.reports("bandwidth") if r == 0]
@@ -41,7 +38,8 @@ def main():
         run = lessonlib.launch(ROOT / "lessons/02_ring_allreduce.py", nproc=n, timeout=300, show="none",
                                args=["--numel", str(args.numel), "--lengths", "10"]).raise_for_status()
         t = dict(run.reports("timing"))[0]
-        print(f"{n:>5}  {'ring / gloo all_reduce time':<28}{t['ring_all_reduce (ms)'] / t['dist.all_reduce (ms)']:>8.3f}")
+        ratio = t["ring_all_reduce (ms)"] / t["dist.all_reduce (ms)"]
+        print(f"{n:>5}  {'ring / gloo all_reduce time':<28}{ratio:>8.3f}")
 
 
 if __name__ == "__main__":

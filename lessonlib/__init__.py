@@ -6,6 +6,7 @@
 - `show_table` and `reserve_port` are small display and networking helpers (chapter 1).
 - `plot_ranks` draws what each rank holds, one row per rank (chapter 2).
 - `check_function` checks an exercise answer that must run on every rank (chapter 2).
+- `comma_list` is an argparse type for options like `--ops a,b,c` (chapter 2).
 
 Names are imported on first use: every rank and torchrun agent of a launch imports a piece of this
 package, and should not pay for the rest (psutil for the launcher, torch for `setup`).
@@ -18,7 +19,7 @@ _WHERE = {
     "MAX_NPROC": "launcher", "MAX_NNODES": "launcher",
     "setup": "dist", "teardown": "dist", "DistContext": "dist", "report": "dist", "pick_backend": "dist",
     "show_table": "display", "reserve_port": "ports",
-    "plot_ranks": "plots", "check_function": "exercises",
+    "plot_ranks": "plots", "check_function": "exercises", "comma_list": "cli",
 }
 
 __all__ = list(_WHERE)

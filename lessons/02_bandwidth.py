@@ -109,14 +109,13 @@ def memcpy_bandwidth(nbytes, device, repeats=5):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--ops", default="all_reduce,all_gather,broadcast", help=f"comma-separated, from {OPS}")
+    parser.add_argument("--ops", type=lessonlib.comma_list(choices=OPS), default="all_reduce,all_gather,broadcast",
+                        help=f"comma-separated, from {', '.join(OPS)}")
     parser.add_argument("--min-bytes", type=int, default=4 << 10)
     parser.add_argument("--max-bytes", type=int, default=16 << 20)
     parser.add_argument("--min-seconds", type=float, default=0.05, help="time spent per size, at least")
     args = parser.parse_args()
-    ops = args.ops.split(",")
-    if set(ops) - set(OPS):
-        parser.error(f"--ops: unknown {sorted(set(ops) - set(OPS))}; choose from {OPS}")
+    ops = args.ops
     if not 64 <= args.min_bytes <= args.max_bytes <= 1 << 30:
         parser.error("need 64 <= --min-bytes <= --max-bytes <= 1 GiB")
 

@@ -157,14 +157,12 @@ def run_barrier(ctx, n, monitored=False, absent_rank=-1, gloo=None):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of: {', '.join(OPS)}")
+    parser.add_argument("--ops", type=lessonlib.comma_list(choices=OPS), default=",".join(OPS),
+                        help=f"comma-separated subset of: {', '.join(OPS)}")
     parser.add_argument("--absent-rank", type=int, default=-1, help="this rank never reaches the barriers")
     parser.add_argument("--pg-timeout", type=float, default=None, help="process-group timeout, seconds")
     args = parser.parse_args()
-    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    unknown = sorted(set(ops) - set(OPS))
-    if unknown or not ops:
-        parser.error(f"--ops: unknown {unknown or 'empty list'}; choose from {', '.join(OPS)}")
+    ops = args.ops
 
     ctx = lessonlib.setup(timeout=args.pg_timeout)
     n = ctx.world_size

@@ -80,20 +80,17 @@ def cost(ctx, nbytes, repeats):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--sizes", default="64,65536,4194304", help="payload sizes in bytes, comma-separated")
+    parser.add_argument("--sizes", type=lessonlib.comma_list(int, low=8), default="64,65536,4194304",
+                        help="payload sizes in bytes, comma-separated, each at least 8")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    try:
-        sizes = [int(s) for s in args.sizes.split(",")]
-    except ValueError:
-        parser.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
-    if not sizes or min(sizes) < 8 or args.repeats < 1:
-        parser.error("--sizes must be at least 8 bytes each, --repeats at least 1")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
     ctx = lessonlib.setup()
     got = lessonlib.report("objects", object_collectives(ctx))
     print(f"scatter_object_list gave this rank {got['scatter_object_list']}")
-    for nbytes in sizes:
+    for nbytes in args.sizes:
         row = lessonlib.report("cost", cost(ctx, nbytes, args.repeats))
         if ctx.is_main:
             print(f"{nbytes:>9} B: broadcast object/tensor {row['broadcast: object / tensor']:.1f}x, "

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import lessonlib
 
 SIZES = [1, 1_000_000]  # elements: 4 bytes and 4 MB of float32
+RING_WAYS = ["isend", "batch", "even-odd", "blocking"]
 
 
 def timed(fn):
@@ -31,36 +32,34 @@ def timed(fn):
 
 
 # [start: blocking]
+def transfer(ctx, x, late_rank, delay, pair):
+    """Rank 0 sends x to rank 1, and `late_rank` shows up `delay` s late. Returns when this rank
+    called send or recv, and when the call returned."""
+    dist.barrier(group=pair)
+    if ctx.rank == late_rank:
+        time.sleep(delay)
+    called = time.time()
+    if ctx.rank == 0:
+        dist.send(x, dst=1)
+    else:
+        dist.recv(x, src=0)
+    return {"called": called, "returned": time.time()}
+
+
 def late_peer(ctx, numel, delay, pair):
-    """Rank 0 sends, rank 1 receives; whichever side is not timed shows up `delay` s late."""
+    """Time send while the receiver is late, and recv while the sender is late; check the order."""
     x = torch.ones(numel, device=ctx.device)
-    stamps = {}
-    dist.barrier(group=pair)
-    if ctx.rank == 0:  # 1) the receiver is late: when does send return?
-        start = time.time()
-        dist.send(x, dst=1)
-        stamps.update(send_s=time.time() - start, send_returned=time.time())
-    else:
-        time.sleep(delay)
-        stamps["recv_posted"] = time.time()
-        dist.recv(x, src=0)
-    dist.barrier(group=pair)
-    if ctx.rank == 1:  # 2) the sender is late: when does recv return?
-        start = time.time()
-        dist.recv(x, src=0)
-        stamps.update(recv_s=time.time() - start, recv_returned=time.time())
-    else:
-        time.sleep(delay)
-        stamps["send_called"] = time.time()
-        dist.send(x, dst=1)
+    mine = {"receiver late": transfer(ctx, x, 1, delay, pair), "sender late": transfer(ctx, x, 0, delay, pair)}
     both = [None, None]
-    dist.all_gather_object(both, stamps, group=pair)  # one clock: both ranks are on this machine
+    dist.all_gather_object(both, mine, group=pair)  # one clock: both ranks are on this machine
     sender, receiver = both
-    assert receiver["recv_returned"] >= sender["send_called"], "recv returned before the data was sent"
+    case = "sender late"
+    assert receiver[case]["returned"] >= sender[case]["called"], "recv returned before the data was sent"
+    case = "receiver late"
     if ctx.backend == "gloo":  # the claim under test: a gloo send waits for the matching recv
-        assert sender["send_returned"] >= receiver["recv_posted"], f"{numel} elements: send returned first"
-    took = "send_s" if ctx.rank == 0 else "recv_s"
-    return {"numel": numel, took: stamps[took]}
+        assert sender[case]["returned"] >= receiver[case]["called"], f"{numel} elements: send returned first"
+    timed = mine["receiver late" if ctx.rank == 0 else "sender late"]  # this rank's call with the peer late
+    return {"numel": numel, "send_s" if ctx.rank == 0 else "recv_s": timed["returned"] - timed["called"]}
 # [end: blocking]
 
 
@@ -118,15 +117,12 @@ def pass_token(ctx, how):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--delay", type=float, default=0.5, help="seconds the peer arrives late")
-    parser.add_argument("--ring", default="isend,batch,even-odd",
-                        help="comma-separated ways to pass the token: isend, batch, even-odd, blocking")
+    parser.add_argument("--ring", type=lessonlib.comma_list(choices=RING_WAYS), default="isend,batch,even-odd",
+                        help=f"comma-separated ways to pass the token: {', '.join(RING_WAYS)}")
     parser.add_argument("--pg-timeout", type=float, default=None, help="process-group timeout, seconds")
     args = parser.parse_args()
     if args.delay <= 0:
         parser.error("--delay must be positive")
-    ways = args.ring.split(",")
-    if not ways or set(ways) - {"isend", "batch", "even-odd", "blocking"}:
-        parser.error(f"--ring: choose from isend, batch, even-odd, blocking; got {args.ring!r}")
 
     ctx = lessonlib.setup(timeout=args.pg_timeout)
     if ctx.world_size == 1:
@@ -145,7 +141,7 @@ def main():
               f"{row['completed right after the call']}, wait() took {row['wait_s']:.3f} s")
 
     dist.barrier()  # everyone starts the ring together
-    for how in ways:
+    for how in args.ring:
         got = pass_token(ctx, how)
         lessonlib.report("ring", {"how": how, "got": got})
         print(f"ring ({how}): received token {got} from rank {(ctx.rank - 1) % ctx.world_size}")

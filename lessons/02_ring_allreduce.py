@@ -142,16 +142,14 @@ def timing(ctx, numel, repeats):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--lengths", default="1,2,3,4,5,7,10,1000,1001", help="tensor lengths to check")
+    parser.add_argument("--lengths", type=lessonlib.comma_list(int, low=1), default="1,2,3,4,5,7,10,1000,1001",
+                        help="tensor lengths to check, comma-separated")
     parser.add_argument("--numel", type=int, default=1_000_000, help="float32 elements for the timing")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    try:
-        lengths = [int(s) for s in args.lengths.split(",")]
-    except ValueError:
-        parser.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
-    if min(lengths) < 1 or args.numel < 1 or args.repeats < 1:
-        parser.error("--lengths, --numel and --repeats must be at least 1")
+    lengths = args.lengths
+    if args.numel < 1 or args.repeats < 1:
+        parser.error("--numel and --repeats must be at least 1")
 
     ctx = lessonlib.setup()
     n, r = ctx.world_size, ctx.rank

@@ -4,6 +4,7 @@ check_function is tested end to end: real torchrun, real gloo, the chapter's own
 """
 
 import datetime
+import re
 import subprocess
 import sys
 import textwrap
@@ -116,3 +117,24 @@ def test_setup_reports_the_timeout_it_gave_init_process_group():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
     assert lessonlib.DistContext.__dataclass_fields__["timeout"].default == datetime.timedelta(seconds=30)
+
+
+def test_comma_list_parses_and_names_what_is_wrong():
+    import argparse
+
+    ops = lessonlib.comma_list(choices=["broadcast", "reduce"])
+    assert ops("broadcast, reduce,") == ["broadcast", "reduce"]
+    lengths = lessonlib.comma_list(int, low=1, high=16)
+    assert lengths("1,16") == [1, 16]
+    for parse, text, message in [(ops, "broadcast,nope", "unknown ['nope']; choose from broadcast, reduce"),
+                                 (ops, " , ", "at least one value"),
+                                 (lengths, "3,x", "comma-separated int values"),
+                                 (lengths, "0,17", "[0, 17] outside the allowed range 1..16")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+            parse(text)
+
+
+def test_a_lesson_refuses_a_bad_list_before_joining_a_group():
+    out = subprocess.run([sys.executable, "lessons/02_collectives.py", "--ops", "broadcast,nope"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "argument --ops: unknown ['nope']" in out.stderr, out.stderr
