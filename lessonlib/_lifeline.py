@@ -9,7 +9,6 @@ stop them. Elsewhere than Linux this is a no-op; the launcher's own cleanup stil
 
 import ctypes
 import os
-import signal
 import sys
 
 PR_SET_PDEATHSIG = 1
