@@ -19,7 +19,10 @@ from lessonlib.launcher import RUN_ID_VAR
 
 ROOT = Path(__file__).resolve().parent.parent
 SESSION_VAR = "COURSE_TESTS_SESSION"  # not LESSONLIB_*: that prefix is the launcher's own
-SESSION_ID = os.environ.setdefault(SESSION_VAR, uuid.uuid4().hex)  # set at import: before any test spawns
+# Set at import, before any test spawns, and always anew: under pytest-xdist each worker process gets
+# an id of its own, so one worker never mistakes another worker's running launch for a leak.
+SESSION_ID = uuid.uuid4().hex
+os.environ[SESSION_VAR] = SESSION_ID
 LAUNCH_MARKS = ("torch.distributed.run", "torch.distributed.launch", "lessonlib._rank_main")
 LEAK_GRACE = 2.0  # seconds a process that was just killed gets to finish dying before it counts as leaked
 

@@ -206,15 +206,14 @@ def test_timeout_kills_the_whole_tree(hung_run, leak_scan):
     assert leak_scan() == []
 
 
-def lessonlib_temp_dirs():
-    return set(Path(tempfile.gettempdir()).glob("lessonlib-*"))
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("interrupts", [1, 4], ids=["one Ctrl-C", "Ctrl-C during cleanup too"])
 def test_interrupt_kills_the_run(tmp_path, interrupts):
     tag = uuid.uuid4().hex
-    temp_before = lessonlib_temp_dirs()
+    # The run's temporary folder goes to a TMPDIR of its own: other tests' launches (pytest-xdist runs
+    # them at the same time) make and remove lessonlib-* folders in the shared one meanwhile.
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
     code = (
         "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # even if SIGINT was ignored
         "import lessonlib\n"
@@ -223,7 +222,7 @@ def test_interrupt_kills_the_run(tmp_path, interrupts):
         "print('launch returned instead of raising')\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(own_tmp)})
     try:
         wait_for_files([tmp_path / "rank0.ready", tmp_path / "rank1.ready", tmp_path / "grandchild.pid"],
                        timeout=60, proc=child)
@@ -244,7 +243,7 @@ def test_interrupt_kills_the_run(tmp_path, interrupts):
     assert processes_with_env("TEST_TAG", tag) == []
     grandchild = int((tmp_path / "grandchild.pid").read_text())
     assert alive_with_env([grandchild] + [p.pid for p in running], "TEST_TAG", tag) == []
-    assert lessonlib_temp_dirs() <= temp_before, "the run's temporary folder was left behind"
+    assert list(own_tmp.glob("lessonlib-*")) == [], "the run's temporary folder was left behind"
 
 
 # --------------------------------------------------------------------------- input checks
