@@ -1,0 +1,106 @@
+"""torchrun --nproc_per_node=3 lessons/03_exercise_shard.py [--solution FILE --function NAME]
+
+Checker for the chapter 3 exercise: compute DistributedSampler's indices without it.
+
+A solution is a function `shard(n, rank, world_size, seed, epoch, shuffle, drop_last)` returning the
+list of indices that DistributedSampler(range(n), world_size, rank, shuffle, seed, drop_last), moved
+to `epoch` by set_epoch, yields. Every rank checks its own rank's answer on many cases, including
+fewer samples than ranks, sizes that divide evenly and sizes that do not, both shuffle settings and
+both drop_last settings. The ranks agree on the verdict before anyone reports it.
+
+Without --solution the checker tests itself: DistributedSampler itself must pass, and two plausible
+wrong answers must fail: contiguous blocks instead of a stride, and a stride without the padding.
+"""
+
+import argparse
+import math
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+import lessonlib
+from lessonlib.exercises import load_function
+
+
+def sampler_shard(n, rank, world_size, seed, epoch, shuffle, drop_last):
+    sampler = DistributedSampler(range(n), world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def cases(world_size):
+    sizes = sorted({1, 2, max(1, world_size - 1), world_size, world_size + 1, 2 * world_size + 1, 13, 50})
+    for n in sizes:
+        for shuffle in (True, False):
+            for drop_last in (False, True):
+                for seed, epoch in ((0, 0), (0, 1), (7, 3)):
+                    yield n, seed, epoch, shuffle, drop_last
+
+
+def verdict(fn, ctx):
+    """None if fn matches DistributedSampler on every case for this rank, else the first difference."""
+    for n, seed, epoch, shuffle, drop_last in cases(ctx.world_size):
+        args = dict(n=n, rank=ctx.rank, world_size=ctx.world_size, seed=seed, epoch=epoch,
+                    shuffle=shuffle, drop_last=drop_last)
+        want = sampler_shard(**args)
+        try:
+            got = fn(**args)
+            got = [int(i) for i in got]
+        except Exception as e:  # a crash is a wrong answer too, with its message
+            return f"shard({args}) raised {type(e).__name__}: {e}"
+        if got != want:
+            return f"shard({args}) returned {got}, DistributedSampler gives {want}"
+    return None
+
+
+def agreed(ctx, problem):
+    """True on every rank iff no rank saw a problem (so all ranks reach the same verdict)."""
+    ok = torch.tensor([0 if problem else 1])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+# [start: wrong]
+def blocks(n, rank, world_size, seed, epoch, shuffle, drop_last):
+    """Wrong: contiguous blocks of the (padded) order instead of every W-th index."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist() if shuffle \
+        else list(range(n))
+    per_rank = n // world_size if drop_last else math.ceil(n / world_size)
+    order = (order * world_size)[: per_rank * world_size]
+    return order[rank * per_rank:(rank + 1) * per_rank]
+
+
+def no_padding(n, rank, world_size, seed, epoch, shuffle, drop_last):
+    """Wrong: the right stride, but no padding (or dropping), so shard lengths differ."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist() if shuffle \
+        else list(range(n))
+    return order[rank::world_size]
+# [end: wrong]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    parser.add_argument("--solution", help="Python file defining the solution")
+    parser.add_argument("--function", default="shard", help="its name")
+    args = parser.parse_args()
+    fn = load_function(args.solution, args.function) if args.solution else None
+    ctx = lessonlib.setup(timeout=20)
+
+    if fn is not None:
+        problem = verdict(fn, ctx)
+        assert agreed(ctx, problem), f"rank {ctx.rank}: {problem or 'another rank saw a problem'}"
+        print(f"rank {ctx.rank}: {args.function} matches DistributedSampler on {len(list(cases(ctx.world_size)))} cases")
+    else:
+        assert agreed(ctx, verdict(sampler_shard, ctx)), "the checker rejects DistributedSampler itself"
+        rejected = {wrong.__name__: not agreed(ctx, verdict(wrong, ctx)) for wrong in (blocks, no_padding)}
+        if ctx.world_size > 1:
+            assert all(rejected.values()), f"the checker accepted a wrong answer: {rejected}"
+            print(f"rank {ctx.rank}: checker self-test: accepts DistributedSampler, rejects {sorted(rejected)}")
+        else:  # one rank: blocks, strides and padding all coincide, so there is nothing to reject
+            print("world size 1: the wrong answers are right here, so only the accepting half is tested")
+    lessonlib.teardown()
+
+
+if __name__ == "__main__":
+    main()
