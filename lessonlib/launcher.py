@@ -135,6 +135,13 @@ class RunResult:
         """Values that ranks published with `lessonlib.report(tag, value)`, as [(rank, value), ...]."""
         return [(r.rank, value) for r in self.ranks for t, value in r.reports if t == tag]
 
+    def reports_by_rank(self, tag):
+        """The same values grouped by rank: {rank: [value, ...] in the order reported}, every rank a key."""
+        grouped = {r.rank: [] for r in self.ranks}
+        for rank, value in self.reports(tag):
+            grouped[rank].append(value)
+        return grouped
+
     def raise_for_status(self):
         """Raise LaunchError if the run did not succeed on every rank; return self otherwise."""
         if not self.ok:

@@ -110,6 +110,9 @@ def test_reports_come_back_per_rank(capture_run):
     assert capture_run.reports("printed") == [(0, {"rank": 0, "lines": CAPTURE_LINES}),
                                                (1, {"rank": 1, "lines": CAPTURE_LINES})]
     assert capture_run.reports("no such tag") == []
+    assert capture_run.reports_by_rank("printed") == {0: [{"rank": 0, "lines": CAPTURE_LINES}],
+                                                      1: [{"rank": 1, "lines": CAPTURE_LINES}]}
+    assert capture_run.reports_by_rank("no such tag") == {0: [], 1: []}
 
 
 def test_text_and_html_views_show_every_rank(capture_run):
