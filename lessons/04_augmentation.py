@@ -63,6 +63,12 @@ def crops(case, seed, ctx, n_images, batch_size):
     return torch.cat([grid for _, grid in loader])
 
 
+def box(grid):
+    """A crop as [top, left, bottom, right, flipped] in source pixels, read off its coordinate grid."""
+    (top, left), (bottom, right) = grid[:, 0, 0].tolist(), grid[:, -1, -1].tolist()
+    return [round(top, 1), round(min(left, right), 1), round(bottom, 1), round(max(left, right), 1), left > right]
+
+
 def describe(case):
     per_rank_seed, workers, per_rank_generator = CASES[case]
     return (f"manual_seed({'seed + rank' if per_rank_seed else 'seed'}), num_workers={workers}"
@@ -89,10 +95,8 @@ def main():
             assert fraction == 1.0, f"rank {r}: case {case}: only {fraction:.0%} of crops identical across ranks"
         elif n > 1:
             assert fraction < 0.2, f"rank {r}: case {case}: {fraction:.0%} of crops identical across ranks"
-        # The first sample's crop, as (top, left) -> (bottom, right) in source pixels; a flip swaps columns.
-        box = [round(v, 1) for v in (*mine[0][:, 0, 0].tolist(), *mine[0][:, -1, -1].tolist())]
         lessonlib.report("crops", {"case": case, "setup": describe(case), "identical fraction": fraction,
-                                   "samples": len(mine), "first crop box": box})
+                                   "samples": len(mine), "boxes": [box(g) for g in mine[:4]]})
         if ctx.is_main:
             shown = "n/a (one rank)" if fraction is None else f"{fraction:4.0%}"
             print(f"{case}  {describe(case):45} crops identical across ranks: {shown}")

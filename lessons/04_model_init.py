@@ -116,7 +116,7 @@ def main():
             "how": how, "steps": args.steps, "fingerprint": fingerprint(copies[r]),
             "max gap to rank 0 at start": start_gap.abs().max().item(),
             "max gap to rank 0 after": gap.abs().max().item()})
-        if r == n - 1:  # the rank farthest from rank 0 has the most to say
+        if r == n - 1:  # rank 0's gap to itself is zero: let the last rank tell
             print(f"rank {r}: {how}, {args.steps} SGD steps: fingerprints {' '.join(fingerprint(c) for c in copies)}"
                   f"; max gap to rank 0 {row['max gap to rank 0 at start']:.4f} -> "
                   f"{row['max gap to rank 0 after']:.4f}")
