@@ -58,7 +58,8 @@ def crops(case, seed, ctx, n_images, batch_size):
     generator = torch.Generator().manual_seed(seed + ctx.rank) if per_rank_generator else None
     dataset = Images(n_images)
     sampler = DistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False)
-    loader = DataLoader(dataset, batch_size, sampler=sampler, num_workers=workers, generator=generator)
+    loader = DataLoader(dataset, batch_size, sampler=sampler, num_workers=workers, generator=generator,
+                        timeout=20 if workers else 0)  # a stuck worker: an error, not a hang (0 without workers)
     # [end: seeding]
     return torch.cat([grid for _, grid in loader])
 

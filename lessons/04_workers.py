@@ -59,7 +59,8 @@ def draws(setup, seed, ctx, per_rank, batch_size):
     # [start: loader]
     generator = torch.Generator().manual_seed(seed + ctx.rank) if setup in "bc" else None
     loader = DataLoader(dataset, batch_size, sampler=sampler, num_workers=2, generator=generator,
-                        worker_init_fn=reseed_held if setup == "c" else None, collate_fn=lambda batch: batch)
+                        worker_init_fn=reseed_held if setup == "c" else None,
+                        collate_fn=lambda batch: batch, timeout=20)  # a stuck worker: an error, not a hang
     # [end: loader]
     return [sample for batch in loader for sample in batch]
 

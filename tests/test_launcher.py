@@ -159,14 +159,18 @@ def test_failing_rank_is_named_as_root_cause():
     assert caught.value.result is run
 
 
+HANG_TIMEOUT = 20
+
+
 @pytest.fixture(scope="module")
 def hung_run():
     """A 3-rank run that hangs (rank 1 sleeps, 0 and 2 wait in a barrier, rank 0 has a grandchild),
-    ended by an 8 s timeout."""
+    ended by a 20 s timeout: long enough for three ranks to reach their hanging lines on a busy 2-core
+    machine (pytest-xdist runs other launches beside this one), short enough to keep the test quick."""
     tag = uuid.uuid4().hex
     with tempfile.TemporaryDirectory() as ready:
         t0 = time.monotonic()
-        run = lessonlib.launch(HANG, nproc=3, timeout=8, env={"TEST_TAG": tag, "TEST_READY_DIR": ready},
+        run = lessonlib.launch(HANG, nproc=3, timeout=HANG_TIMEOUT, env={"TEST_TAG": tag, "TEST_READY_DIR": ready},
                                show="none")
         elapsed = time.monotonic() - t0
         ready_files = sorted(os.listdir(ready))
@@ -179,10 +183,10 @@ def test_timeout_is_reported_and_bounded(hung_run):
     # Without this the timeout would have struck during start-up, and the test would prove little.
     assert hung_run["ready"] == ["grandchild.pid", "rank0.ready", "rank1.ready", "rank2.ready"], hung_run["ready"]
     assert run.timed_out and not run.ok
-    assert hung_run["elapsed"] < run.timeout + 10, f"timeout 8 s, launch returned after {hung_run['elapsed']:.1f} s"
+    assert hung_run["elapsed"] < run.timeout + 10, f"timeout {HANG_TIMEOUT} s, launch returned after {hung_run['elapsed']:.1f} s"
     assert run.wall_time < run.timeout + 10
     assert [r.status for r in run.ranks] == ["hung"] * 3
-    with pytest.raises(lessonlib.LaunchError, match="timed out after 8 s"):
+    with pytest.raises(lessonlib.LaunchError, match=f"timed out after {HANG_TIMEOUT} s"):
         run.raise_for_status()
 
 
