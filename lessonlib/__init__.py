@@ -7,6 +7,8 @@
 - `plot_ranks` draws what each rank holds, one row per rank (chapter 2).
 - `check_function` checks an exercise answer that must run on every rank (chapter 2).
 - `comma_list` is an argparse type for options like `--ops a,b,c` (chapter 2).
+- `lessonlib.training` has the small deterministic model and data the DDP chapters compare against
+  one process (chapter 5); import it from there.
 
 Names are imported on first use: every rank and torchrun agent of a launch imports a piece of this
 package, and should not pay for the rest (psutil for the launcher, torch for `setup`).

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
-BUILD_TIMEOUT = 900  # seconds for the whole book; each cell also has execute.timeout in _config.yml
+BUILD_TIMEOUT = 1500  # seconds for the whole book; each cell also has execute.timeout in _config.yml
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
