@@ -32,6 +32,8 @@ def small_layers(depth=40):
 
 def cpu_data_parallel():
     """What DataParallel does on a machine without GPUs, observed with a forward hook."""
+    if torch.cuda.is_available():  # DataParallel would take the GPUs and refuse a CPU module
+        return {"ran": False, "reason": "this machine has a GPU: DataParallel uses it (see the GPU path)"}
     model = torch.nn.Linear(6, 2)
     calls = []
     model.register_forward_hook(lambda m, inp, out: calls.append((threading.get_ident(), inp[0].shape[0])))
@@ -40,7 +42,7 @@ def cpu_data_parallel():
     x = torch.randn(8, 6)
     out = dp(x)  # no GPU: no scatter, no replicas, no threads; just model(x)
     # [end: cpu]
-    seen = {"device_ids": dp.device_ids, "calls": len(calls), "rows per call": [c[1] for c in calls],
+    seen = {"ran": True, "device_ids": dp.device_ids, "calls": len(calls), "rows per call": [c[1] for c in calls],
             "same thread": calls[0][0] == threading.get_ident()}
     assert dp.device_ids == [] and dp.module is model, dp.device_ids
     assert calls == [(threading.get_ident(), 8)], f"expected one call, whole batch, this thread: {calls}"
@@ -113,7 +115,8 @@ def main():
     if ctx.is_main:
         lessonlib.report("gil", times)
         print(f"DataParallel without GPUs: device_ids={cpu['device_ids']}, {cpu['calls']} call of the module, "
-              f"on all {cpu['rows per call'][0]} rows, in the caller's thread")
+              f"on all {cpu['rows per call'][0]} rows, in the caller's thread" if cpu["ran"] else
+              f"DataParallel without GPUs: not run: {cpu['reason']}")
         print(f"DataParallel with GPUs: {gpu if gpu['ran'] else 'skipped: ' + gpu['reason']}")
         base = times["one thread"]
         for name, t in times.items():

@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=2 lessons/06_accumulation.py [--micro 4] [--rows 3] [--steps 3]
+"""torchrun --nproc_per_node=2 lessons/06_accumulation.py [--micro 4] [--rows 3] [--steps 3] [--timing-steps 10]
 
 Gradient accumulation under DDP: the 1/k scale, no_sync(), and how many all-reduces each costs.
 
@@ -89,7 +89,7 @@ def main():
     parser.add_argument("--micro", type=int, default=4, choices=range(1, 17), metavar="1..16", help="k")
     parser.add_argument("--rows", type=int, default=3, choices=range(1, 65), metavar="1..64", help="m")
     parser.add_argument("--steps", type=int, default=3, choices=range(1, 51), metavar="1..50")
-    parser.add_argument("--timing-steps", type=int, default=3, choices=range(1, 201), metavar="1..200")
+    parser.add_argument("--timing-steps", type=int, default=10, choices=range(1, 201), metavar="1..200")
     args = parser.parse_args()
     ctx = lessonlib.setup()
     k, m, n = args.micro, args.rows, ctx.world_size
