@@ -83,9 +83,15 @@ def run_ranks(lesson, world_size):
     """
     logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world_size)]
     procs = []
+    import torch.distributed as dist  # here, not at the top: only this path needs torch in the test process
+
     with lessonlib.reserve_port() as port:
+        # The test process hosts the rendezvous store, as torchrun's agent does: the ranks connect at once
+        # instead of retrying, with growing pauses, until rank 0 has imported torch and opened one.
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
         base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "OMP_NUM_THREADS": "1"}
+                "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "OMP_NUM_THREADS": "1",
+                "TORCHELASTIC_USE_AGENT_STORE": "True"}
         try:
             for rank in range(world_size):
                 env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
@@ -103,6 +109,7 @@ def run_ranks(lesson, world_size):
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
+            del store
     outputs = []
     for log in logs:
         log.seek(0)
