@@ -3,10 +3,10 @@
 Which collectives and reduce ops gloo supports, found by calling each one for real.
 
 Every rank tries every op on int64, float32 and bfloat16 CPU tensors, checks the result of each call
-that succeeds against a closed form, and records the error of each call that fails. Each call runs in
-a fresh gloo group (also when the default group is NCCL), so one failure cannot spoil the next. The
-ranks must agree on every outcome (asserted). lessons/02_gloo_workarounds.py does what gloo refuses
-another way.
+that succeeds against a closed form, and records the error of each call that fails. The calls run in
+a gloo group of their own (also when the default group is NCCL), replaced after every failure, so one
+failure cannot spoil the next. The ranks must agree on every outcome (asserted).
+lessons/02_gloo_workarounds.py does what gloo refuses another way.
 """
 
 import argparse
@@ -23,23 +23,44 @@ DTYPES = {"int64": torch.int64, "float32": torch.float32, "bfloat16": torch.bflo
 BITWISE = {"BAND": operator.and_, "BOR": operator.or_, "BXOR": operator.xor}
 
 
-def outcome(ctx, fn):
-    """'ok' (with any FutureWarning the call gave), or the first line of the error fn(group) raised.
+class Prober:
+    """Calls each probe in a gloo group of all ranks and returns 'ok' or the first line of its error.
 
-    Each call runs in a fresh group of all ranks, dropped afterwards: a gloo group whose op failed may
-    re-raise that error from its next call, and one failure must not spoil the next probe.
+    A gloo group whose op failed may re-raise that error from its next call, so after a failure on
+    any rank the group is replaced; after a success it is kept. The ranks agree on "anyone failed"
+    through the default group first, so they create and destroy groups in step, and no rank tears a
+    group down while another is still inside a call on it. (A fresh group for each of the 43 calls once failed
+    in CI while connecting: every new gloo group is a full mesh of TCP connections, made anew.)
     """
-    group = dist.new_group(backend="gloo", timeout=ctx.timeout)  # gloo is what this lesson examines
-    try:
+
+    def __init__(self, ctx):
+        self.ctx, self.group, self.groups_made, self.calls = ctx, None, 0, 0
+
+    def __call__(self, fn):
+        if self.group is None:
+            self.group = dist.new_group(backend="gloo", timeout=self.ctx.timeout)  # gloo is what we examine
+            self.groups_made += 1
+        self.calls, error = self.calls + 1, None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            fn(group)
-    except Exception as e:  # noqa: BLE001 - recording what the backend says is the point
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:100]}"
-    finally:
-        dist.destroy_process_group(group)
-    future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
-    return "ok (FutureWarning: " + future[0][:90] + ")" if future else "ok"
+            try:
+                fn(self.group)
+            except Exception as e:  # noqa: BLE001 - recording what the backend says is the point
+                error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:100]}"
+        anyone_failed = torch.tensor([error is not None], dtype=torch.int32, device=self.ctx.device)
+        dist.all_reduce(anyone_failed, op=dist.ReduceOp.MAX)  # on the default group, never the probed one
+        if anyone_failed.item():
+            dist.destroy_process_group(self.group)
+            self.group = None
+        if error is not None:
+            return error
+        future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+        return "ok (FutureWarning: " + future[0][:90] + ")" if future else "ok"
+
+    def close(self):
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
 
 
 # [start: reduce_ops]
@@ -112,11 +133,12 @@ def main():
     ctx = lessonlib.setup()
     n, r = ctx.world_size, ctx.rank
 
-    table = []
+    probe, table = Prober(ctx), []
     for name in ["SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM"]:
-        table.append({"all_reduce op": name, **{d: outcome(ctx, lambda g: try_reduce_op(ctx, name, t, g))
+        table.append({"all_reduce op": name, **{d: probe(lambda g: try_reduce_op(ctx, name, t, g))
                                                  for d, t in DTYPES.items()}})
-    calls = [{"call": name, "float32": outcome(ctx, fn)} for name, fn in collective_calls(ctx).items()]
+    calls = [{"call": name, "float32": probe(fn)} for name, fn in collective_calls(ctx).items()]
+    probe.close()
 
     # Ranks must agree on what worked; error texts may differ (each names its own tensor index).
     worked = [[v.startswith("ok") for v in row.values()] for row in table + calls]
@@ -128,7 +150,8 @@ def main():
     if ctx.is_main:
         for row in table + calls:
             print(" | ".join(f"{v}" for v in row.values()))
-        print(f"gloo, {n} ranks: outcomes agree on every rank")
+        print(f"gloo, {n} ranks: outcomes agree on every rank ({probe.calls} calls in "
+              f"{probe.groups_made} gloo groups)")
     lessonlib.report("reduce_ops", table)
     lessonlib.report("calls", calls)
     lessonlib.teardown()
