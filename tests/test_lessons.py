@@ -1,11 +1,12 @@
 """Every lesson script runs to the end on every rank at world sizes 1, 2, 3 and 4.
 
 World size 1 runs the way the README's second command does, `python lessons/X.py`, where
-lessonlib.setup makes a process group of one rank. World sizes 2 to 4 start one `python lessons/X.py`
-per rank with the environment torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT on a reserved port, ...): real processes and real gloo, without a torchrun agent per run,
-whose start-up (an `import torch`) is a fifth of a small lesson's CPU time and CI's time is the
-budget. Chapter 1's lessons are about torchrun itself and always run under it (lessonlib.launch), as
+lessonlib.setup makes a process group of one rank. World sizes 2 to 4 start one process per rank
+that runs the lesson file as `__main__` with the environment torchrun would give it (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT on a reserved port, ...): real processes and real
+gloo, without a torchrun agent per run and without an `import torch` per rank (each rank is forked
+from a server that has imported it: tests/rankfork.py). That start-up is a large share of a small
+lesson's CPU time, and CI's time is the budget. Chapter 1's lessons are about torchrun itself and always run under it (lessonlib.launch), as
 does every launch in the book; the launcher tests cover torchrun's own behaviour.
 
 A chapter that launches a lesson with its default arguments and `.raise_for_status()` already runs
@@ -22,13 +23,13 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 import lessonlib
+import rankfork
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = sorted(ROOT.glob("lessons/[0-9][0-9]_*.py"))
@@ -75,52 +76,52 @@ def run_plain(lesson):
     return proc.returncode, out
 
 
-def run_ranks(lesson, world_size):
+def run_ranks(lesson, world_size, tmp_path):
     """One process per rank with torchrun's environment, all bounded; every rank's exit code and output.
 
-    When a rank fails, the others are given a few seconds and then killed, so a rank left waiting in a
-    collective for a partner that died cannot hold the test until the process-group timeout.
+    The ranks are forked from a server that has imported torch already (tests/rankfork.py). When a
+    rank fails, the others get a few seconds and are then killed, so a rank left waiting in a
+    collective for a partner that died cannot hold the test until the process-group timeout. A rank
+    still running at the deadline prints its Python stack before it is killed.
     """
-    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world_size)]
-    procs = []
     import torch.distributed as dist  # here, not at the top: only this path needs torch in the test process
 
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(world_size)]
+    procs, timed_out = [], False
     with lessonlib.reserve_port() as port:
         # The test process hosts the rendezvous store, as torchrun's agent does: the ranks connect at once
-        # instead of retrying, with growing pauses, until rank 0 has imported torch and opened one.
+        # instead of retrying, with growing pauses, until rank 0 has opened one.
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
         base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
                 "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "OMP_NUM_THREADS": "1",
-                "TORCHELASTIC_USE_AGENT_STORE": "True"}
+                "TORCHELASTIC_USE_AGENT_STORE": "True", "PYTHONUNBUFFERED": "1"}
         try:
             for rank in range(world_size):
                 env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-                procs.append(subprocess.Popen([sys.executable, "-u", str(lesson)], cwd=ROOT, env=env, stdout=logs[rank],
-                                              stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(rankfork.start_rank(lesson, ROOT, env, logs[rank]))
             deadline, failed_at = time.monotonic() + TIMEOUT, None
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+            while any(p.exitcode is None for p in procs):
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
                     failed_at = time.monotonic()
                 if failed_at is not None and time.monotonic() > failed_at + 5:
                     break
                 time.sleep(0.05)
         finally:
             for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+                rankfork.kill_rank(p, dump_stack=timed_out)
             del store
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
-    return [p.returncode for p in procs], outputs
+    outputs = [log.read_text(errors="replace") if log.exists() else "" for log in logs]
+    if timed_out:
+        outputs = [f"(still running after {TIMEOUT} s; its stack when killed is at the end)\n{o}" for o in outputs]
+    return [p.exitcode for p in procs], outputs
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda n: f"np{n}")
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
-def test_lesson_runs(lesson, world_size, request):
+def test_lesson_runs(lesson, world_size, request, tmp_path):
     chapter = BOOK_RUNS.get((lesson.stem, world_size))
     if chapter and any(item.name == BOOK_TEST for item in request.session.items):
         pytest.skip(f"the book build runs it: {chapter} launches {lesson.name} at {world_size} ranks with "
@@ -134,6 +135,6 @@ def test_lesson_runs(lesson, world_size, request):
         assert run.ok, run.describe_failure()
         assert [r.exitcode for r in run.ranks] == [0] * world_size, run.describe_failure()
         return
-    codes, outputs = run_ranks(lesson, world_size)
+    codes, outputs = run_ranks(lesson, world_size, tmp_path)
     failed = [r for r, c in enumerate(codes) if c != 0]
     assert not failed, "\n".join(f"--- rank {r}: exit {codes[r]}\n{outputs[r][-4000:]}" for r in failed)
