@@ -1,6 +1,7 @@
 """Process-group setup and teardown for lessons (chapter 1).
 
     ctx = lessonlib.setup()          # or: with lessonlib.setup() as ctx: ...
+    ctx = lessonlib.setup(device="cpu")  # a lesson whose tensors stay on the CPU, GPUs or not
     ctx.rank, ctx.local_rank, ctx.world_size, ctx.is_main, ctx.device, ctx.timeout
     lessonlib.teardown()
 
@@ -69,12 +70,23 @@ def _env_int(name, default):
     return default if value is None else int(value)
 
 
-def setup(backend=None, timeout=None):
-    """Join the process group torchrun described (or a one-rank group under plain python)."""
+def setup(backend=None, timeout=None, device=None):
+    """Join the process group torchrun described (or a one-rank group under plain python).
+
+    device="cpu" is for lessons whose tensors stay on the CPU by design (chapters 5 to 7 compare
+    float64 CPU arithmetic exactly): the backend is then the one that serves CPU tensors, gloo, even
+    on a machine with GPUs, where nccl would refuse them. device=None picks from the machine.
+    """
+    if device not in (None, "cpu"):
+        raise ValueError(f"device must be None (pick from this machine) or 'cpu'; got {device!r}")
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world_size = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
     group_rank = _env_int("GROUP_RANK", 0)
+    if device == "cpu":
+        backend = backend or os.environ.get("LESSONLIB_BACKEND") or "gloo"
+        if backend == "nccl":
+            raise ValueError("device='cpu' needs a backend that reduces CPU tensors (gloo); nccl was asked for")
     backend = backend or pick_backend(local_world_size)
     timeout = float(timeout if timeout is not None else os.environ.get("LESSONLIB_PG_TIMEOUT", DEFAULT_TIMEOUT))
     if backend == "nccl":

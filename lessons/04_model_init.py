@@ -73,7 +73,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=3, choices=range(1, 51), metavar="1..50")
     args = parser.parse_args()
-    ctx = lessonlib.setup()
+    ctx = lessonlib.setup(device="cpu")
     n, r = ctx.world_size, ctx.rank
 
     for mode in [m for m in MODES if m in args.modes]:  # unseeded first: it needs the untouched RNG

@@ -120,7 +120,7 @@ def main():
     args = parser.parse_args()
     if args.stop_after >= args.epochs:
         parser.error("--stop-after must be below --epochs, or there is nothing left to resume")
-    ctx = lessonlib.setup()
+    ctx = lessonlib.setup(device="cpu")
     n, r, E, k = ctx.world_size, ctx.rank, args.epochs, args.stop_after
 
     straight, straight_draws, rows = [], [], {}

@@ -52,7 +52,7 @@ def main():
                         help="rows per rank per step (b)")
     parser.add_argument("--steps", type=int, default=5, choices=range(1, 101), metavar="1..100")
     args = parser.parse_args()
-    ctx = lessonlib.setup()
+    ctx = lessonlib.setup(device="cpu")
     n, r, b = ctx.world_size, ctx.rank, args.batch
 
     # [start: three_runs]

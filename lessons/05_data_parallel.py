@@ -107,7 +107,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--iters", type=int, default=300, choices=range(10, 100_001), metavar="10..100000")
     args = parser.parse_args()
-    ctx = lessonlib.setup()
+    ctx = lessonlib.setup(device="cpu")
 
     cpu = lessonlib.report("cpu", cpu_data_parallel())
     gpu = lessonlib.report("gpu", gpu_data_parallel())

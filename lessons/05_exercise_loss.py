@@ -91,7 +91,7 @@ def main():
     parser.add_argument("--function", default="ddp_loss", help="its name")
     args = parser.parse_args()
     fn = load_function(args.solution, args.function) if args.solution else None
-    ctx = lessonlib.setup(timeout=20)
+    ctx = lessonlib.setup(device="cpu", timeout=20)
 
     if fn is not None:
         problem = verdict(fn, ctx)

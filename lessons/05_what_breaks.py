@@ -70,7 +70,7 @@ def main():
     parser.add_argument("--batch", type=int, default=4, choices=range(2, 257), metavar="2..256",
                         help="rows per rank (b); unequal case: rank r gets b + r")
     args = parser.parse_args()
-    ctx = lessonlib.setup()
+    ctx = lessonlib.setup(device="cpu")
     n, r, b = ctx.world_size, ctx.rank, args.batch
     x, y = global_batch(0, n * b)
     mine = my_rows([b] * n, r)

@@ -91,7 +91,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3, choices=range(1, 51), metavar="1..50")
     parser.add_argument("--timing-steps", type=int, default=10, choices=range(1, 201), metavar="1..200")
     args = parser.parse_args()
-    ctx = lessonlib.setup()
+    ctx = lessonlib.setup(device="cpu")
     k, m, n = args.micro, args.rows, ctx.world_size
 
     cases = {"1/k, no_sync": {}, "1/k, sync every micro-batch": dict(use_no_sync=False),

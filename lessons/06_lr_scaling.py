@@ -4,8 +4,9 @@ Batch size and learning rate: the per-rank batch, the global batch, the linear s
 
 With a DistributedSampler and a DataLoader batch of b, one step of N ranks uses N x b rows: the
 global batch is N times the single-process one, and an epoch has N times fewer steps. Keep the
-single-process learning rate and the run makes less progress per epoch (asserted here, for N > 1, on
-a task where the learning rate is small enough to be the bottleneck). The linear scaling rule (Goyal
+single-process learning rate and the run makes less progress per epoch than one process; the rate
+times N makes more than the unscaled rate (both asserted here, for N > 1, on a task where the
+learning rate is small enough to be the bottleneck). The linear scaling rule (Goyal
 et al., 2017) multiplies the learning rate by N to make up for the fewer steps; warm-up ramps it from
 the single-process value to N times that over the first steps, because a large rate is most
 dangerous at the start. The schedule is asserted; each run's loss after every epoch is reported. To
@@ -73,7 +74,7 @@ def main():
     if not 0 < args.lr <= 0.05:
         parser.error(f"--lr {args.lr}: use a rate in (0, 0.05]; the lesson's comparison assumes a rate small "
                      "enough to be what limits progress")
-    ctx = lessonlib.setup()
+    ctx = lessonlib.setup(device="cpu")
     n, b = ctx.world_size, args.batch
     data = TensorDataset(*global_batch(0, ROWS))
 
@@ -93,6 +94,8 @@ def main():
     expected = [args.lr * (1 + (n - 1) * min(s, w) / w) for s in range(len(warm["lrs"]))]
     assert all(abs(a - e) < 1e-12 for a, e in zip(warm["lrs"], expected)), "warm-up schedule is off"
     if n > 1:
+        assert same_lr["losses"][-1] > single["losses"][-1], \
+            f"N ranks at the same lr should lag one process here: {same_lr['losses']} vs {single['losses']}"
         assert scaled["losses"][-1] < same_lr["losses"][-1], \
             f"lr x {n} should beat the unscaled rate here: {scaled['losses']} vs {same_lr['losses']}"
     for name, run in runs.items():

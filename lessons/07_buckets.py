@@ -3,19 +3,18 @@
 DDP's gradient buckets, watched from inside backward(): what each one holds, and when it is sent.
 
 DDP does not all-reduce each gradient alone: it packs gradients into buckets of about bucket_cap_mb
-(MiB) and all-reduces a bucket as soon as every gradient in it is ready. A communication hook (DDP
-calls it once per bucket) and a post-accumulate-grad hook on every parameter record, on one clock,
-what each bucket holds and when things happen. Asserted here (torch 2.14, find_unused_parameters off):
-  1. Iteration 1 uses ONE bucket with every parameter in model order, whatever the cap. After it DDP
-     rebuilds the buckets in the order the gradients became ready, and keeps that layout.
-  2. Every iteration, every parameter is in exactly one bucket; after the rebuild, bucket 0 holds the
-     LAST layer.
-  3. A bucket is closed by the tensor that brings it to the cap, so it can pass the cap by up to
-     that tensor's size; every bucket but the last one reaches the cap.
-  4. Bucket 0's all-reduce is launched before any later gradient, layer 0's included, exists:
-     communication overlaps the rest of backward.
-  5. A bigger cap gives fewer buckets. bucket_cap_mb=25 passed explicitly gives one bucket for a
-     small model, but the default (also 25) caps the first bucket at 1 MiB.
+(MiB) and all-reduces a bucket once every gradient in it is ready. A communication hook (called once
+per bucket) and a post-accumulate-grad hook on every parameter record, on one clock, what each bucket
+holds and when. Asserted here (torch 2.14, find_unused_parameters off):
+  1. Iteration 1 uses ONE bucket, every parameter in model order, whatever the cap. DDP then rebuilds
+     the buckets in the order gradients became ready, bucket 0 holding the LAST layer, and keeps them.
+  2. Every iteration, every parameter is in exactly one bucket; buckets go out in index order.
+  3. A bucket is closed by the tensor that brings it to the cap: it can pass the cap by up to that
+     tensor's size, and every bucket but the last reaches the cap.
+  4. Bucket 0's all-reduce starts before any other gradient, layer 0's included, exists: communication
+     overlaps the rest of backward.
+  5. A bigger cap gives fewer buckets. bucket_cap_mb=25, passed, gives one bucket for a small model;
+     left at its default (also 25), the first bucket is capped at 1 MiB.
 """
 
 import argparse
@@ -44,16 +43,15 @@ def watch(model, cap_mb):
     names = {id(p): n for n, p in model.named_parameters()}
     log = {"it": 0, "buckets": [], "ready": []}
 
-    def hook(state, bucket):  # DDP calls this once per bucket, the moment its last gradient is in
-        row = {"it": log["it"], "index": bucket.index(), "params": [names[id(p)] for p in bucket.parameters()],
-               "bytes": bucket.buffer().numel() * bucket.buffer().element_size(), "launch": time.perf_counter()}
-        log["buckets"].append(row)
+    def hook(state, bucket):  # called once per bucket, as soon as it is full and the ones before it have gone
+        log["buckets"].append(row := {
+            "it": log["it"], "index": bucket.index(), "params": [names[id(p)] for p in bucket.parameters()],
+            "bytes": bucket.buffer().numel() * bucket.buffer().element_size(), "launch": time.perf_counter()})
 
         def stamp(fut):  # runs when the all-reduce has finished
             row["done"] = time.perf_counter()
             return fut.value()
         return allreduce_hook(None, bucket).then(stamp)
-
     ddp = DDP(model) if cap_mb is None else DDP(model, bucket_cap_mb=cap_mb)
     ddp.register_comm_hook(None, hook)
     for n, p in model.named_parameters():
@@ -127,7 +125,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3, choices=range(2, 21), metavar="2..20")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per rank, as torchrun arranges when it starts several
-    ctx = lessonlib.setup()
+    ctx = lessonlib.setup(device="cpu")
 
     model = build(args.layers, args.width)
     ddp, log = watch(model, args.bucket_cap_mb)
@@ -145,10 +143,10 @@ def main():
               f"{b0['done_ms']:.3f}; fc0.weight's gradient ready {ready['fc0.weight']:.3f}; "
               f"backward returned {tl['backward_end_ms']:.3f}")
 
-    sweep = {args.bucket_cap_mb: len(layouts[1])}  # every model here is under 25 MiB (32 x 256 x 256 at most)
-    for cap in sorted(set(SWEEP) - set(sweep)):  # the same order on every rank: DDP() is a collective
-        sweep[cap] = len(run(*watch(build(args.layers, args.width), cap), 2, args.width, ctx.rank)[0][1])
-    sweep = dict(sorted(sweep.items()))
+    sweep = {}  # every model here is under 25 MiB (32 layers of 256 x 256 at most)
+    for cap in sorted({*SWEEP, args.bucket_cap_mb}):  # the same order on every rank: DDP() is a collective
+        sweep[cap] = len(layouts[1] if cap == args.bucket_cap_mb else
+                         run(*watch(build(args.layers, args.width), cap), 2, args.width, ctx.rank)[0][1])
     assert list(sweep.values()) == sorted(sweep.values(), reverse=True) and sweep[25] == 1, sweep
     # [start: first_bucket]
     big = {}  # 5 layers of 256 x 256 floats, 1.3 MB: more than DDP's 1 MiB first bucket

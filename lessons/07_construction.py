@@ -105,7 +105,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3, choices=range(1, 51), metavar="1..50")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    ctx = lessonlib.setup()
+    ctx = lessonlib.setup(device="cpu")
 
     built = lessonlib.report("construction", construction(ctx, args.seed))
     stats = lessonlib.report("buffers", buffers(ctx, args.steps))

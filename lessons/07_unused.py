@@ -76,7 +76,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--iters", type=int, default=3, choices=range(2, 11), metavar="2..10")
     args = parser.parse_args()
-    ctx = lessonlib.setup()
+    ctx = lessonlib.setup(device="cpu")
 
     failed_at, error = without_flag(args.iters)
     assert failed_at == 2 and "Expected to have finished reduction" in error, (failed_at, error)

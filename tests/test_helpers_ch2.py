@@ -119,6 +119,27 @@ def test_setup_reports_the_timeout_it_gave_init_process_group():
     assert lessonlib.DistContext.__dataclass_fields__["timeout"].default == datetime.timedelta(seconds=30)
 
 
+def test_setup_for_cpu_tensors_uses_gloo_and_refuses_what_cannot_serve_them():
+    code = textwrap.dedent("""
+        import lessonlib
+        for bad in [dict(device="cuda"), dict(device="cpu", backend="nccl")]:
+            try:
+                lessonlib.setup(**bad)
+            except ValueError as e:
+                print("refused:", e)
+            else:
+                raise SystemExit(f"setup({bad}) was accepted")
+        ctx = lessonlib.setup(device="cpu")
+        assert (ctx.backend, str(ctx.device)) == ("gloo", "cpu"), ctx
+        lessonlib.teardown()
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr[-2000:]
+    assert "device must be None (pick from this machine) or 'cpu'; got 'cuda'" in out.stdout
+    assert "nccl was asked for" in out.stdout
+
+
 def test_comma_list_parses_and_names_what_is_wrong():
     import argparse
 
