@@ -131,6 +131,10 @@ def main():
     ddp, log = watch(model, args.bucket_cap_mb)
     layouts, spans = run(ddp, log, args.steps, args.width, ctx.rank)
     check(model, log, layouts, args.bucket_cap_mb)
+    last = f"fc{args.layers - 1}"
+    assert layouts[1][0]["params"][:2] == [f"{last}.bias", f"{last}.weight"], layouts[1][0]["params"]
+    for it, (buckets, (_, end)) in enumerate(zip(layouts, spans), start=1):  # backward waits for them all
+        assert all(b["done"] <= end for b in buckets), f"iteration {it}: backward() returned before a bucket"
     if ctx.is_main:
         for it in (1, 2):
             lessonlib.report("buckets", {"cap_mb": args.bucket_cap_mb, "iteration": it, "buckets": [

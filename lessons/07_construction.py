@@ -42,12 +42,13 @@ def construction(ctx, seed):
     rows = {}
     for init_sync in (True, False):
         model = build(seed + ctx.rank)  # every rank builds a different model
+        model[1].running_mean.fill_(float(ctx.rank))  # and holds different buffers
         before = fingerprint(model)
         # [start: construct]
         ddp = DDP(model, init_sync=init_sync)  # True (the default): rank 0's weights, copied in place
         # [end: construct]
         assert ddp.module is model
-        copies = gather(flat_params(model))
+        copies = gather(torch.cat([flat_params(model), model[1].running_mean]))  # parameters and buffers
         equal = all(torch.equal(c, copies[0]) for c in copies)
         assert equal == (init_sync or ctx.world_size == 1), f"rank {ctx.rank}: init_sync={init_sync}: equal={equal}"
         rows[f"init_sync={init_sync}"] = {"before": before, "after": fingerprint(model)}
