@@ -14,8 +14,14 @@ that lesson at that world size, every rank to exit 0, inside the book build. Whe
 part of the same pytest session, such a pair is skipped here with the chapter named, instead of being
 run twice: CI time is the budget the course lives within. Run this file alone and every pair runs.
 
-Lessons are found by pattern, so a new lesson is tested the moment it is added.
+Lessons are found by pattern, so a new lesson is tested the moment it is added. The command on a
+lesson's first docstring line says how it starts: `torchrun --nproc_per_node=N lessons/X.py` (the
+rule), `python lessons/X.py --world-size N` (a script that starts its own processes, with
+torch.multiprocessing.spawn: run as that command for each world size) or `python lessons/X.py` (a
+single-process script: run at world size 1 only).
 """
+
+import ast
 
 import json
 import os
@@ -59,13 +65,35 @@ def book_runs():
 BOOK_RUNS = book_runs()
 
 
+def command_of(lesson):
+    """The command on the first line of the lesson's docstring."""
+    doc = ast.get_docstring(ast.parse(lesson.read_text())) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def kind_of(lesson):
+    """'torchrun', 'spawn' (python ... --world-size N) or 'single' (python ...), from its command."""
+    command = command_of(lesson)
+    if command.startswith("torchrun "):
+        return "torchrun"
+    return "spawn" if "--world-size" in command else "single"
+
+
 def test_lessons_are_found():
     assert LESSONS, f"no lessons matched {ROOT / 'lessons/[0-9][0-9]_*.py'}"
 
 
-def run_plain(lesson):
-    """`python lesson.py` in its own session, bounded; the whole session is killed on timeout."""
-    proc = subprocess.Popen([sys.executable, str(lesson)], cwd=ROOT, stdout=subprocess.PIPE,
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
+def test_docstring_starts_with_the_command_that_runs_it(lesson):
+    command, path = command_of(lesson), f"lessons/{lesson.name}"
+    assert re.match(rf"(torchrun --nproc_per_node=\d+ |python ){re.escape(path)}(\s|$)", command), (
+        f"{path}: the docstring's first line must be the command that runs it, `torchrun "
+        f"--nproc_per_node=N {path} ...` or `python {path} ...`; it is {command!r}")
+
+
+def run_plain(lesson, args=()):
+    """`python lesson.py [args]` in its own session, bounded; the whole session is killed on timeout."""
+    proc = subprocess.Popen([sys.executable, str(lesson), *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=TIMEOUT)
@@ -127,9 +155,13 @@ def test_lesson_runs(lesson, world_size, request, tmp_path):
     if chapter and any(item.name == BOOK_TEST for item in request.session.items):
         pytest.skip(f"the book build runs it: {chapter} launches {lesson.name} at {world_size} ranks with "
                     f"default arguments and raise_for_status()")
-    if world_size == 1:
-        code, out = run_plain(lesson)
-        assert code == 0, f"python {lesson.name} exited {code}:\n{out[-5000:]}"
+    kind = kind_of(lesson)
+    if kind == "single" and world_size > 1:
+        pytest.skip(f"a single-process script (its command is `{command_of(lesson)}`): world size 1 only")
+    if world_size == 1 or kind == "spawn":
+        args = ["--world-size", str(world_size)] if kind == "spawn" else []
+        code, out = run_plain(lesson, args)
+        assert code == 0, f"python {lesson.name} {' '.join(args)} exited {code}:\n{out[-5000:]}"
         return
     if lesson.name.startswith("01_"):
         run = lessonlib.launch(lesson, nproc=world_size, timeout=TIMEOUT, show="none")
