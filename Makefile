@@ -21,7 +21,8 @@ book: $(STAMP)
 	$(BIN)/jupyter-book build book -W -n --keep-going
 
 # Tests run in parallel, one pytest worker per CPU up to 4: a launch keeps about one core busy, and
-# the book build (one long test) runs beside the lessons instead of after them. JOBS=1 runs serially.
+# the book test (one long test, which itself executes two chapters at a time: BOOK_JOBS) runs beside the
+# lessons instead of after them. JOBS=1 runs the tests serially.
 JOBS ?= $(shell n=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: $(STAMP)
