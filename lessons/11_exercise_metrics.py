@@ -1,0 +1,127 @@
+"""torchrun --nproc_per_node=3 lessons/11_exercise_metrics.py [--solution FILE --function NAME]
+
+Checker for the chapter 11 exercise: an epoch's metrics from every rank's sums and counts.
+
+A solution is a function `epoch_metrics(loss_sum, correct, count)`: this rank's sum of per-sample
+losses, number of correct predictions and number of samples (Python numbers). It must return
+(mean loss, accuracy) over ALL ranks' samples, the same on every rank, the way 11_torchrun.py's
+reduce_sums and the two divisions after it do. Each rank checks two cases against the exact answer
+(to a relative 1e-12), which every rank can compute alone since it knows what every rank holds:
+  uneven   rank r holds 5 + 7r samples: a mean of the ranks' means weighs a sample on a small shard
+           more than one on a big shard, and is wrong
+  large    rank r holds 2**24 + 1 + 2r samples, counts no float32 can hold exactly (a torch.tensor
+           made from Python numbers is float32 unless told otherwise)
+The ranks agree on the verdict before anyone reports it.
+
+Without --solution the checker tests itself: the correct answer must pass, and four wrong ones must
+fail: the mean of means (one source note's reduce_mean), float32 totals, no reduction at all, and
+dist.reduce to rank 0 (the other ranks keep their own numbers). At world size 1 the mean of means,
+no reduction and reduce-to-0 are right, so only float32 can be rejected there.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+import lessonlib
+from lessonlib.exercises import load_function
+
+REL_TOL = 1e-12
+
+
+def holdings(case, rank):
+    """(loss_sum, correct, count) that `rank` holds in `case`: known to every rank without communication."""
+    count = 5 + 7 * rank if case == "uneven" else 2**24 + 1 + 2 * rank
+    correct = count - 1 - rank if case == "large" else (rank + 1) * 2
+    return 0.25 * count + 0.5 * rank, correct, count
+
+
+def expected(case, world_size):
+    sums = [sum(vals) for vals in zip(*(holdings(case, r) for r in range(world_size)))]
+    return sums[0] / sums[2], sums[1] / sums[2]
+
+
+def verdict(fn, rank, world_size):
+    """None if fn gives the exact metrics on this rank in every case; else the first thing that went wrong.
+
+    Every case runs on every rank, even after a failure: fn's collectives must pair up across ranks.
+    """
+    problems = []
+    for case in ("uneven", "large"):
+        try:
+            got = [float(v) for v in fn(*holdings(case, rank))]
+        except Exception as e:  # a crash is a wrong answer too, with its message
+            problems.append(f"{case}: epoch_metrics raised {type(e).__name__}: {e}")
+            continue
+        for name, g, w in zip(("mean loss", "accuracy"), got, expected(case, world_size)):
+            if abs(g - w) > REL_TOL * abs(w):
+                problems.append(f"{case}: rank {rank} got {name} {g!r}, expected {w!r} "
+                                f"(relative error {abs(g - w) / abs(w):.1e})")
+    return problems[0] if problems else None
+
+
+def agreed(problem):
+    """True on every rank iff no rank saw a problem."""
+    ok = torch.tensor([0 if problem else 1])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+# [start: solution]
+def epoch_metrics(loss_sum, correct, count):
+    totals = torch.tensor([loss_sum, correct, count], dtype=torch.float64)  # float64: counts stay exact
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / count, correct / count
+# [end: solution]
+
+
+# [start: wrong]
+def mean_of_means(loss_sum, correct, count):
+    means = torch.tensor([loss_sum / count, correct / count], dtype=torch.float64)
+    dist.all_reduce(means)
+    return (means / dist.get_world_size()).tolist()  # every rank weighs the same, whatever it holds
+
+
+def float32_totals(loss_sum, correct, count):
+    totals = torch.tensor([loss_sum, correct, count])  # float32: 2**24 + 1 is 2**24
+    dist.all_reduce(totals)
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
+def no_reduce(loss_sum, correct, count):
+    return loss_sum / count, correct / count  # this rank's shard only
+
+
+def reduce_to_rank0(loss_sum, correct, count):
+    totals = torch.tensor([loss_sum, correct, count], dtype=torch.float64)
+    dist.reduce(totals, dst=0)  # only rank 0 receives the sum; the others keep their own numbers
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+# [end: wrong]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    parser.add_argument("--solution", help="Python file defining the solution")
+    parser.add_argument("--function", default="epoch_metrics", help="its name")
+    args = parser.parse_args()
+    fn = load_function(args.solution, args.function) if args.solution else None
+    ctx = lessonlib.setup(device="cpu", timeout=20)  # a wrong answer may leave ranks waiting: fail in 20 s
+    rank, world_size = ctx.rank, ctx.world_size
+
+    if fn is not None:
+        problem = verdict(fn, rank, world_size)
+        assert agreed(problem), f"rank {rank}: {problem or 'another rank saw a problem'}"
+        print(f"rank {rank}: {args.function} gives the exact mean loss and accuracy of all {world_size} ranks")
+    else:
+        assert agreed(verdict(epoch_metrics, rank, world_size)), "the checker rejects the correct answer"
+        wrong = [float32_totals] + ([mean_of_means, no_reduce, reduce_to_rank0] if world_size > 1 else [])
+        rejected = {w.__name__: not agreed(verdict(w, rank, world_size)) for w in wrong}
+        assert all(rejected.values()), f"the checker accepted a wrong answer: {rejected}"
+        print(f"rank {rank}: checker self-test: accepts epoch_metrics, rejects {sorted(rejected)}")
+    lessonlib.teardown()
+
+
+if __name__ == "__main__":
+    main()
