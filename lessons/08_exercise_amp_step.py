@@ -1,0 +1,153 @@
+"""torchrun --nproc_per_node=3 lessons/08_exercise_amp_step.py [--solution FILE --function NAME]
+
+Checker for the chapter 8 exercise: one mixed-precision training step under DDP, with clipping.
+
+A solution is a function `amp_step(ddp, opt, scaler, x, y, max_norm)`: `ddp` is a DistributedDataParallel
+model, `opt` its SGD optimizer, `scaler` a GradScaler, (x, y) this rank's batch. It must run the forward
+and the mean squared error under float16 autocast on x's device type, backward the scaled loss, clip the
+true gradients to norm `max_norm`, step through the scaler and update the scale. Each rank runs six
+steps next to a reference copy; at step 2 the last rank's batch overflows float16, so that step must be
+skipped everywhere. After every step the parameters must match the reference to 1e-6 and the scale
+must equal the reference's; the ranks agree on the verdict before anyone reports it.
+
+Without --solution the checker tests itself: the correct answer must pass, and four plausible wrong
+answers must fail: clipping before unscale_, no scaler.update(), opt.step() instead of
+scaler.step(opt) (it applies the inf step), and a backward of the unscaled loss.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lessonlib
+from lessonlib.exercises import load_function
+from lessonlib.training import flat_params
+
+STEPS, BAD_STEP, MAX_NORM, TOL = 6, 2, 0.5, 1e-6
+
+
+def setup_copy():
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)))
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), torch.amp.GradScaler("cpu", init_scale=2.0**10,
+                                                                                   growth_interval=2)
+
+
+def batch(step, rank, bad):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 8, generator=g)
+    if bad:
+        x[0] *= 3e4  # overflows float16 once scaled
+    return x, x[:, :4] - x[:, 4:]
+
+
+def verdict(fn, ctx):
+    """None if fn follows the reference step for step on this rank; else the problem."""
+    mine, ref = setup_copy(), setup_copy()
+    for step in range(STEPS):
+        x, y = batch(step, ctx.rank, bad=step == BAD_STEP and ctx.rank == ctx.world_size - 1)
+        amp_step(*ref, x, y, MAX_NORM)
+        try:
+            fn(*mine, x.clone(), y.clone(), MAX_NORM)
+        except Exception as e:  # a crash is a wrong answer too, with its message
+            return f"step {step}: amp_step raised {type(e).__name__}: {e}"
+        gap = (flat_params(mine[0].module) - flat_params(ref[0].module)).abs().max().item()
+        if not gap <= TOL:  # also catches NaN
+            skip = " (the step where one rank overflowed, which every rank must skip)" if step == BAD_STEP else ""
+            what = "hold inf or NaN" if gap != gap else f"are {gap:.2e} from the reference"
+            return f"step {step}{skip}: the parameters {what}"
+        if mine[2].get_scale() != ref[2].get_scale():
+            return f"step {step}: the scale is {mine[2].get_scale()}, expected {ref[2].get_scale()}"
+    return None
+
+
+def agreed(ctx, problem):
+    """True on every rank iff no rank saw a problem (so all ranks reach the same verdict)."""
+    ok = torch.tensor([0 if problem else 1])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+# [start: solution]
+def amp_step(ddp, opt, scaler, x, y, max_norm):
+    opt.zero_grad()
+    with torch.autocast(x.device.type, dtype=torch.float16):  # forward and loss
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)  # true gradients, so that max_norm means what it says
+    torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)
+    scaler.step(opt)  # skipped if the all-reduced gradients hold an inf or NaN
+    scaler.update()
+# [end: solution]
+
+
+# [start: wrong]
+def clip_before_unscale(ddp, opt, scaler, x, y, max_norm):
+    opt.zero_grad()
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = F.mse_loss(ddp(x), y)
+    scaler.scale(loss).backward()
+    torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)  # clips scale x the gradient
+    scaler.step(opt)
+    scaler.update()
+
+
+def no_update(ddp, opt, scaler, x, y, max_norm):
+    opt.zero_grad()
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = F.mse_loss(ddp(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)
+    scaler.step(opt)  # and no scaler.update(): the scale never moves
+
+
+def optimizer_step(ddp, opt, scaler, x, y, max_norm):
+    opt.zero_grad()
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = F.mse_loss(ddp(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)
+    opt.step()  # steps on inf and NaN too
+    scaler.update()
+
+
+def unscaled_backward(ddp, opt, scaler, x, y, max_norm):
+    opt.zero_grad()
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = F.mse_loss(ddp(x), y)
+    loss.backward()  # unscale_ then divides gradients that were never multiplied
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)
+    scaler.step(opt)
+    scaler.update()
+# [end: wrong]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    parser.add_argument("--solution", help="Python file defining the solution")
+    parser.add_argument("--function", default="amp_step", help="its name")
+    args = parser.parse_args()
+    fn = load_function(args.solution, args.function) if args.solution else None
+    ctx = lessonlib.setup(device="cpu", timeout=20)
+
+    if fn is not None:
+        problem = verdict(fn, ctx)
+        assert agreed(ctx, problem), f"rank {ctx.rank}: {problem or 'another rank saw a problem'}"
+        print(f"rank {ctx.rank}: {args.function} matches the reference at every step, the skipped one included")
+    else:
+        assert agreed(ctx, verdict(amp_step, ctx)), "the checker rejects the correct answer"
+        wrong = (clip_before_unscale, no_update, optimizer_step, unscaled_backward)
+        rejected = {w.__name__: not agreed(ctx, verdict(w, ctx)) for w in wrong}
+        assert all(rejected.values()), f"the checker accepted a wrong answer: {rejected}"
+        print(f"rank {ctx.rank}: checker self-test: accepts amp_step, rejects {sorted(rejected)}")
+    lessonlib.teardown()
+
+
+if __name__ == "__main__":
+    main()
