@@ -63,7 +63,7 @@ def by_index(pairs, n):
     """Predictions in dataset order from (index, prediction) pairs; duplicates must agree."""
     preds = torch.full((n,), -1, dtype=torch.long)
     for i, p in pairs:
-        assert preds[i] in (-1, p), f"item {i}: two different predictions, {int(preds[i])} and {p}"
+        assert int(preds[i]) in (-1, p), f"item {i}: two different predictions, {int(preds[i])} and {p}"
         preds[i] = p
     assert (preds >= 0).all(), f"items never predicted: {(preds < 0).nonzero().flatten().tolist()}"
     return preds
@@ -115,9 +115,9 @@ def main():
 
     at_root = [None] * w if ctx.is_main else None  # only dst passes a list
     dist.gather_object(list(zip(idx.tolist(), preds.tolist())), at_root, dst=0)
-    # [end: objects]
-    if ctx.is_main:
+    if ctx.is_main:  # the pairs are on rank 0 alone
         from_root = by_index([pair for share in at_root for pair in share], n)
+    # [end: objects]
         assert torch.equal(from_root, all_preds), "rank 0: gather_object + de-duplication != one process"
     else:
         assert at_root is None, f"rank {r}: gather_object gave a non-destination rank {at_root}"

@@ -12,6 +12,7 @@ works on gloo. Asserted on every rank:
                             so the synced accuracy equals the padded one, not one process's;
   the fix                   update() with the non-padding items only (is_padding of 09_gather):
                             equal to one process;
+  average="macro"           the default: the mean of per-class accuracies, not correct / count;
   MeanMetric fed batch means weighs every batch alike: the mean of means again.
 """
 
@@ -44,9 +45,9 @@ def is_padding(sampler, dataset_len):
 
 
 # [start: metrics]
-def evaluate(logits, labels, batches, skip=None, sync=True):
+def evaluate(logits, labels, batches, skip=None, sync=True, average="micro"):
     """torchmetrics over this rank's batches of indices; `skip` masks items out (the padding)."""
-    acc = MulticlassAccuracy(num_classes=CLASSES, average="micro", sync_on_compute=sync)
+    acc = MulticlassAccuracy(num_classes=CLASSES, average=average, sync_on_compute=sync)  # micro: correct / all
     loss = MeanMetric(sync_on_compute=sync).set_dtype(torch.float64)  # float32 by default
     for b, idx in enumerate(batches):
         keep = ~skip[b] if skip is not None else torch.ones(len(idx), dtype=torch.bool)
@@ -88,7 +89,16 @@ def main():
         "this rank's share, by hand": ((logits[idx].argmax(1) == labels[idx]).double().mean().item(),
                                        F.cross_entropy(logits[idx], labels[idx]).item()),
         "torchmetrics, padding skipped": evaluate(logits, labels, batches, skip=pad),
+        "torchmetrics, padding skipped, average='macro'": evaluate(logits, labels, batches, skip=pad,
+                                                                   average="macro"),
     }
+    # The defaults this lesson overrides: average="macro" (the mean over classes of each class's
+    # accuracy, another number than correct / all) and float32 states for MeanMetric.
+    assert MulticlassAccuracy(num_classes=CLASSES).average == "macro", "the default average changed"
+    assert MeanMetric().mean_value.dtype == torch.float32, "MeanMetric's default state dtype changed"
+    right = logits.argmax(1) == labels
+    per_class = [right[labels == c].double().mean().item() for c in range(CLASSES)]
+    macro = sum(per_class) / CLASSES
     # [start: batch_means]
     of_means = MeanMetric().set_dtype(torch.float64)
     for b in batches:
@@ -107,6 +117,8 @@ def main():
     assert close(got["torchmetrics, synced"], got["by hand, (sum, count)"]), f"rank {r}: {got}"
     assert close(got["torchmetrics, sync_on_compute=False"], got["this rank's share, by hand"]), f"rank {r}: {got}"
     assert close(got["torchmetrics, padding skipped"], truth), f"rank {r}: padding skipped {got} vs {truth}"
+    macro_acc = got["torchmetrics, padding skipped, average='macro'"][0]
+    assert abs(macro_acc - macro) < 1e-6 and abs(macro - truth[0]) > 1e-6, f"rank {r}: macro {macro_acc}, {macro}"
     padded = sampler.total_size > n
     assert (not close(got["torchmetrics, synced"], truth)) == padded, f"rank {r}: padding not seen {got}"
     assert (abs(loss_of_means - truth[1]) > 1e-9) == (w > 1 or n % args.batch_size != 0), (r, loss_of_means)
@@ -118,7 +130,7 @@ def main():
         print(f"{n} items, {sampler.total_size} slots on {w} rank(s), batches of {args.batch_size}")
         for row in rows:
             acc = "" if row["accuracy"] is None else f"{row['accuracy']:.6f}"
-            print(f"  {row['how']:40} accuracy {acc:8}  mean loss {row['mean loss']:.6f}")
+            print(f"  {row['how']:48} accuracy {acc:8}  mean loss {row['mean loss']:.6f}")
     lessonlib.teardown()
 
 
