@@ -9,7 +9,8 @@ dtype of every result, of the parameters and of their gradients is checked again
 chapter states: the two devices keep different lists of ops that stay in float32.
 Traps from a source note are run too: its torch.cuda.amp.autocast and torch.cuda.amp.GradScaler
 spellings warn that they are deprecated, CUDA autocast leaves CPU tensors alone, and without a GPU that
-GradScaler is silently disabled. And autocast's state belongs to one thread.
+GradScaler is silently disabled. And autocast's state belongs to one thread, and a nested
+autocast(enabled=False) switches it off.
 """
 
 import argparse
@@ -72,6 +73,14 @@ def other_thread(dtype):
     return here, out["there"]
 
 
+def nested_off(dtype):
+    """dtype of a linear under autocast(enabled=False) inside an enabled region."""
+    linear, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast("cpu", enabled=False):  # switches it off, whatever the caller wanted
+            return linear(x).dtype
+
+
 def cuda_on_cpu_tensors():
     """The source note's torch.cuda.amp.autocast(), applied to CPU tensors: (dtype, warning categories)."""
     linear, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
@@ -116,12 +125,14 @@ def main():
 
     here, there = other_thread(torch.bfloat16)
     assert (here, there) == (torch.bfloat16, torch.float32), f"rank {rank}: autocast in another thread: {there}"
+    off = nested_off(torch.bfloat16)
+    assert off == torch.float32, f"rank {rank}: autocast(enabled=False) inside a bfloat16 region ran {off}"
     old_dtype, categories = cuda_on_cpu_tensors()
     assert old_dtype == torch.float32, f"rank {rank}: torch.cuda.amp.autocast lowered a CPU op to {old_dtype}"
     assert "FutureWarning" in categories, f"rank {rank}: torch.cuda.amp.autocast did not warn: {categories}"
     enabled, scaler_warnings = old_scaler()  # disabled, without an error, where there is no GPU
     assert "FutureWarning" in scaler_warnings and enabled == torch.cuda.is_available(), f"rank {rank}: {enabled}"
-    lessonlib.report("traps", {"this thread": str(here), "new thread": str(there),
+    lessonlib.report("traps", {"this thread": str(here), "new thread": str(there), "nested enabled=False": str(off),
                                "torch.cuda.amp.autocast on CPU tensors": str(old_dtype),
                                "warnings": sorted(categories), "torch.cuda.amp.GradScaler() enabled": enabled,
                                "GradScaler warnings": sorted(scaler_warnings)})

@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=3 lessons/08_exercise_amp_step.py [--solution FILE --function NAME]
+"""torchrun --nproc_per_node=2 lessons/08_exercise_amp_step.py [--solution FILE --function NAME]
 
 Checker for the chapter 8 exercise: one mixed-precision training step under DDP, with clipping.
 
@@ -10,9 +10,10 @@ steps next to a reference copy; at step 2 the last rank's batch overflows float1
 skipped everywhere. After every step the parameters must match the reference to 1e-6 and the scale
 must equal the reference's; the ranks agree on the verdict before anyone reports it.
 
-Without --solution the checker tests itself: the correct answer must pass, and four plausible wrong
-answers must fail: clipping before unscale_, no scaler.update(), opt.step() instead of
-scaler.step(opt) (it applies the inf step), and a backward of the unscaled loss.
+Without --solution the checker tests itself: the correct answer must pass, and so must a variant that
+calls backward inside the autocast block; four plausible wrong answers must fail: clipping before
+unscale_, no scaler.update(), opt.step() instead of scaler.step(opt) (it applies the inf step), and a
+backward of the unscaled loss.
 """
 
 import argparse
@@ -84,6 +85,17 @@ def amp_step(ddp, opt, scaler, x, y, max_norm):
 # [end: solution]
 
 
+def backward_inside(ddp, opt, scaler, x, y, max_norm):
+    """Right too: backward inside the autocast block gives the same gradients."""
+    opt.zero_grad()
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        scaler.scale(F.mse_loss(ddp(x), y)).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)
+    scaler.step(opt)
+    scaler.update()
+
+
 # [start: wrong]
 def clip_before_unscale(ddp, opt, scaler, x, y, max_norm):
     opt.zero_grad()
@@ -142,10 +154,11 @@ def main():
         print(f"rank {ctx.rank}: {args.function} matches the reference at every step, the skipped one included")
     else:
         assert agreed(ctx, verdict(amp_step, ctx)), "the checker rejects the correct answer"
+        assert agreed(ctx, verdict(backward_inside, ctx)), "the checker rejects a backward inside autocast"
         wrong = (clip_before_unscale, no_update, optimizer_step, unscaled_backward)
         rejected = {w.__name__: not agreed(ctx, verdict(w, ctx)) for w in wrong}
         assert all(rejected.values()), f"the checker accepted a wrong answer: {rejected}"
-        print(f"rank {ctx.rank}: checker self-test: accepts amp_step, rejects {sorted(rejected)}")
+        print(f"rank {ctx.rank}: checker self-test: accepts amp_step and backward_inside, rejects {sorted(rejected)}")
     lessonlib.teardown()
 
 

@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=2 lessons/08_speed_memory.py [--sizes 128x32,256x1024] [--runs 3] [--cuda-size 4096x16384]
+"""torchrun --nproc_per_node=2 lessons/08_speed_memory.py [--sizes 128x32,256x512] [--runs 3] [--cuda-size 4096x16384]
 
 Does autocast make this machine faster, and how much memory do the saved activations take?
 
@@ -117,7 +117,7 @@ def memory(ctx, width, batch, device="cpu"):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--sizes", type=lessonlib.comma_list(size), default="128x32,256x1024", help="WIDTHxBATCH,...")
+    parser.add_argument("--sizes", type=lessonlib.comma_list(size), default="128x32,256x512", help="WIDTHxBATCH,...")
     parser.add_argument("--runs", type=int, default=3, choices=range(1, 51), metavar="1..50")
     parser.add_argument("--cuda-size", type=size, default="4096x16384", help="WIDTHxBATCH on the GPU")
     args = parser.parse_args()
