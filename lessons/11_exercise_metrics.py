@@ -15,8 +15,8 @@ The ranks agree on the verdict before anyone reports it.
 
 Without --solution the checker tests itself: the correct answer must pass, and four wrong ones must
 fail: the mean of means (one source note's reduce_mean), float32 totals, no reduction at all, and
-dist.reduce to rank 0 (the other ranks keep their own numbers). At world size 1 the mean of means,
-no reduction and reduce-to-0 are right, so only float32 can be rejected there.
+dist.reduce to rank 0 (on the other ranks the buffer is not the totals, chapter 9). At world size 1
+the mean of means, no reduction and reduce-to-0 are right, so only float32 can be rejected there.
 """
 
 import argparse
@@ -96,7 +96,7 @@ def no_reduce(loss_sum, correct, count):
 
 def reduce_to_rank0(loss_sum, correct, count):
     totals = torch.tensor([loss_sum, correct, count], dtype=torch.float64)
-    dist.reduce(totals, dst=0)  # only rank 0 receives the sum; the others keep their own numbers
+    dist.reduce(totals, dst=0)  # only rank 0 holds the sums afterwards; elsewhere the buffer is not them
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 # [end: wrong]
 

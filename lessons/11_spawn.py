@@ -72,13 +72,11 @@ def evaluate(model, loader, device):
     return correct, seen
 
 
-# [start: reduce]
 def reduce_sums(*values, device):
     """Every rank's values added up, on every rank: sums and counts, never a mean of means."""
     totals = torch.tensor(values, dtype=torch.float64, device=device)  # float64: counts stay exact
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     return totals.tolist()
-# [end: reduce]
 
 
 def run(rank, world_size, port, args):
@@ -87,10 +85,8 @@ def run(rank, world_size, port, args):
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # [start: init]
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.pg_timeout))  # a hang becomes an error
-    # [end: init]
     is_main = rank == 0
     log = get_logger(rank)
     torch.manual_seed(args.seed)  # the same starting weights on every rank (DDP broadcasts rank 0's anyway)
@@ -120,7 +116,6 @@ def run(rank, world_size, port, args):
     assert seen == len(test_set), f"rank {rank}: evaluated {seen} of {len(test_set)} test samples"
     assert accuracy >= MIN_ACCURACY, f"rank {rank}: test accuracy {accuracy:.4f} < {MIN_ACCURACY}"
 
-    # [start: save]
     with tempfile.TemporaryDirectory() as mine:
         folder = [mine]
         dist.broadcast_object_list(folder, src=0)  # every rank uses rank 0's folder
@@ -133,13 +128,7 @@ def run(rank, world_size, port, args):
         assert saved.keys() == ours.keys() and all(torch.equal(saved[k], ours[k]) for k in ours), (
             f"rank {rank}: the checkpoint differs from this rank's replica")
         dist.barrier()  # rank 0 removes its folder on leaving the block: not before everyone has read
-    # [end: save]
     log.info(f"saved {path}; every rank's replica equals it")
-    if is_main:
-        lessonlib.report("result", {"script": "11_spawn", "world size": world_size, "batch per rank":
-                                    args.batch_size // world_size, "losses": losses, "accuracy": accuracy,
-                                    "train seconds": seconds, "steps per epoch": len(train_loader),
-                                    "samples per epoch": count})
     dist.destroy_process_group()
 
 
@@ -155,15 +144,13 @@ def main():
     parser.add_argument("--save", default=None, help="checkpoint path (default: a temporary folder)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--pg-timeout", type=float, default=20, help="process-group timeout, seconds")
-    parser.add_argument("--port", type=int, default=0, help="a fixed port, as tutorials hard-code (default: a free one)")
+    parser.add_argument("--port", type=int, default=0, help="a fixed port, as tutorials hard-code; default: a free one")
     args = parser.parse_args()
     if args.batch_size % args.world_size:
         parser.error(f"--batch-size {args.batch_size} must divide evenly over --world-size {args.world_size}")
-    # [start: spawn]
-    # Bound to port 0, the kernel picks a free port, held until the end. A fixed --port fails if another job has it.
+    # Bound to port 0: the kernel picks a free port, held until the end. A fixed --port fails if a job holds it.
     with contextlib.nullcontext(args.port) if args.port else lessonlib.reserve_port() as port:
         mp.spawn(run, args=(args.world_size, port, args), nprocs=args.world_size, join=True)
-    # [end: spawn]
 
 
 if __name__ == "__main__":

@@ -75,21 +75,17 @@ def evaluate(model, loader, amp_dtype, device):
     return correct, seen
 
 
-# [start: reduce]
 def reduce_sums(*values, device):
     """Every rank's values added up, on every rank: sums and counts, never a mean of means."""
     totals = torch.tensor(values, dtype=torch.float64, device=device)  # float64: counts stay exact
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     return totals.tolist()
-# [end: reduce]
 
 
 def run(args):
     torch.set_num_threads(args.threads)  # a model this small gains nothing from more; extra threads fight over cores
-    # [start: init]
     ctx = lessonlib.setup(timeout=args.pg_timeout)  # init_process_group("env://"): torchrun's variables
     rank, world_size, device, is_main = ctx.rank, ctx.world_size, ctx.device, ctx.is_main
-    # [end: init]
     log = get_logger(rank)
     torch.manual_seed(args.seed)  # the same starting weights on every rank (DDP broadcasts rank 0's anyway)
 
@@ -128,7 +124,6 @@ def run(args):
     assert seen == len(test_set), f"rank {rank}: evaluated {seen} of {len(test_set)} test samples"
     assert accuracy >= MIN_ACCURACY, f"rank {rank}: test accuracy {accuracy:.4f} < {MIN_ACCURACY}"
 
-    # [start: save]
     with tempfile.TemporaryDirectory() as mine:
         folder = [mine]
         dist.broadcast_object_list(folder, src=0)  # every rank uses rank 0's folder
@@ -142,7 +137,6 @@ def run(args):
         assert saved.keys() == ours.keys() and all(torch.equal(saved[k], ours[k]) for k in ours), (
             f"rank {rank}: the checkpoint differs from this rank's replica")
         dist.barrier()  # rank 0 removes its folder on leaving the block: not before everyone has read
-    # [end: save]
     log.info(f"saved {path}; every rank's replica equals it")
     if is_main:
         lessonlib.report("result", {"script": "11_torchrun", "world size": world_size, "batch per rank":
