@@ -51,7 +51,7 @@ def bundled_digits():
     """scikit-learn's digits, (1797, 8, 8) values 0..16 and labels, as numpy arrays.
 
     Read from the file scikit-learn ships (datasets/data/digits.csv.gz: 64 pixels and the label per
-    line), without importing scikit-learn: that import costs each rank more than the whole training.
+    line), without importing scikit-learn, which pulls in SciPy and slows down every rank's start.
     If the file has moved, scikit-learn's own loader is used.
     """
     import importlib.util
@@ -84,7 +84,10 @@ def load_mnist_arrays(data_dir):
     """MNIST from files already on disk (torchvision layout DIR/MNIST/raw/); never downloads."""
     from torchvision.datasets import MNIST
 
-    raw = os.path.join(data_dir or ".", "MNIST", "raw")
+    if not data_dir:
+        raise ValueError("--dataset mnist needs --data-dir DIR, the folder that holds MNIST/raw/; "
+                         "--dataset digits needs nothing")
+    raw = os.path.join(data_dir, "MNIST", "raw")
     try:
         sets = [MNIST(data_dir, train=train, download=False) for train in (True, False)]
     except RuntimeError as e:  # torchvision: "Dataset not found. You can use download=True ..."
