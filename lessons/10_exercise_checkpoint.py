@@ -189,48 +189,35 @@ def load_checkpoint(path, ddp, opt):
 # [end: solution]
 
 
-def state_of(model, opt, epoch):
-    return {"model": model.state_dict(), "opt": opt.state_dict(), "epoch": epoch}
+def saver(prefix=False, in_place=False, every_rank=False, barrier=True):
+    """A save_checkpoint with the mistakes that are switched on."""
+    def save(path, ddp, opt, epoch):
+        if every_rank or dist.get_rank() == 0:
+            state = {"model": (ddp if prefix else ddp.module).state_dict(), "opt": opt.state_dict(), "epoch": epoch}
+            tmp = path if in_place else f"{path}.{dist.get_rank()}.tmp"
+            torch.save(state, tmp)
+            if tmp != path:
+                os.replace(tmp, path)
+        if barrier:
+            dist.barrier()
+    return save
 
 
-def save_module_keys(path, ddp, opt, epoch):
-    if dist.get_rank() == 0:
-        torch.save(state_of(ddp, opt, epoch), path + ".tmp")  # ddp's own keys: "module.0.weight", ...
-        os.replace(path + ".tmp", path)
-    dist.barrier()
+def loader(rank0_only=False, map_location="cpu"):
+    """A load_checkpoint with the mistakes that are switched on."""
+    def load(path, ddp, opt):
+        state = torch.load(path, map_location=map_location)
+        if not rank0_only or dist.get_rank() == 0:
+            ddp.module.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+        return state["epoch"]
+    return load
 
 
-def save_in_place(path, ddp, opt, epoch):
-    if dist.get_rank() == 0:
-        torch.save(state_of(ddp.module, opt, epoch), path)  # empties the old file first
-    dist.barrier()
-
-
-def save_every_rank(path, ddp, opt, epoch):
-    torch.save(state_of(ddp.module, opt, epoch), f"{path}.{dist.get_rank()}.tmp")
-    os.replace(f"{path}.{dist.get_rank()}.tmp", path)
-    dist.barrier()
-
-
-def save_no_barrier(path, ddp, opt, epoch):
-    if dist.get_rank() == 0:
-        torch.save(state_of(ddp.module, opt, epoch), path + ".tmp")
-        os.replace(path + ".tmp", path)
-
-
-def load_rank0_only(path, ddp, opt):
-    state = torch.load(path, map_location="cpu")
-    if dist.get_rank() == 0:
-        ddp.module.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-    return state["epoch"]
-
-
-def load_no_map_location(path, ddp, opt):
-    state = torch.load(path)  # back onto the device the file names
-    ddp.module.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
-    return state["epoch"]
+WRONG = {"ddp.state_dict()": saver(prefix=True), "torch.save onto the path": saver(in_place=True),
+         "every rank writes": saver(every_rank=True), "no barrier": saver(barrier=False),
+         "rank 0 alone loads": loader(rank0_only=True), "no map_location": loader(map_location=None)}
+ONE_RANK_CANNOT = {"every rank writes", "no barrier", "rank 0 alone loads"}  # mistakes only with others
 
 
 def main():
@@ -248,10 +235,8 @@ def main():
     else:
         for good in (save_checkpoint, load_checkpoint):
             assert verdict(good, ctx, args.dir) is None, f"the checker rejects {good.__name__}: {verdict(good, ctx)}"
-        wrong = [save_module_keys, save_in_place, save_every_rank, save_no_barrier, load_rank0_only, load_no_map_location]
-        rejected = {w.__name__ for w in wrong if verdict(w, ctx, args.dir)}
-        one_rank_cannot = {"save_every_rank", "save_no_barrier", "load_rank0_only"}
-        expected = {w.__name__ for w in wrong} - (one_rank_cannot if ctx.world_size == 1 else set())
+        rejected = {name for name, wrong in WRONG.items() if verdict(wrong, ctx, args.dir)}
+        expected = set(WRONG) - (ONE_RANK_CANNOT if ctx.world_size == 1 else set())
         assert rejected == expected, f"the checker accepted {sorted(expected - rejected)}"
         print(f"rank {ctx.rank}: checker self-test: accepts the reference answers, rejects {sorted(rejected)}")
     lessonlib.teardown()

@@ -127,9 +127,8 @@ def gpu_file(ctx, folder):
     except RuntimeError as e:
         row["no map_location"] = str(e)  # no GPU here
     row["map_location='cpu'"] = str(torch.load(path, map_location="cpu")["w"].device)
-    if cuda:  # each rank's own GPU (or "cpu"), by name, dict or function
-        own = f"cuda:{ctx.local_rank % torch.cuda.device_count()}"
-        row["map_location={'cuda:0': own}"] = str(torch.load(path, map_location={"cuda:0": own})["w"].device)
+    own = f"cuda:{ctx.local_rank % torch.cuda.device_count()}" if cuda else "cpu"  # this rank's device
+    row["map_location={'cuda:0': own}"] = str(torch.load(path, map_location={"cuda:0": own})["w"].device)
     # [end: map_location]
     if cuda:
         assert row["no map_location"] == "cuda:0", f"rank {ctx.rank}: {row}"  # every rank: GPU 0
@@ -142,7 +141,7 @@ def gpu_file(ctx, folder):
     else:
         assert "Attempting to deserialize object on a CUDA device" in row["no map_location"], row
         row["real GPU demonstration"] = "skipped: torch.cuda.is_available() is False"
-    assert row["map_location='cpu'"] == "cpu"
+    assert row["map_location='cpu'"] == "cpu" and row["map_location={'cuda:0': own}"] == own, row
     every = [None] * ctx.world_size
     dist.all_gather_object(every, row)
     return every
