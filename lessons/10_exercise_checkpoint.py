@@ -163,9 +163,11 @@ def verdict(fn, ctx, parent=None):
             problem = f"rank {ctx.rank}: {fn.__name__} raised {type(e).__name__}: {str(e)[:300]}"
         return first_problem(problem, ctx)
     finally:
-        dist.barrier()
-        if ctx.is_main:
-            shutil.rmtree(folder, ignore_errors=True)
+        try:
+            dist.barrier()  # everyone is done with the folder
+        finally:
+            if ctx.is_main:  # removed even when a peer is gone
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 # [start: solution]
