@@ -31,6 +31,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/launch_overhead.py
 	$(BIN)/python benchmarks/collectives.py
+	$(BIN)/python benchmarks/amp.py
 
 clean:
 	rm -rf _build

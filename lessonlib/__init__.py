@@ -9,6 +9,8 @@
 - `comma_list` is an argparse type for options like `--ops a,b,c` (chapter 2).
 - `lessonlib.training` has the small deterministic model and data the DDP chapters compare against
   one process (chapter 5); import it from there.
+- `lessonlib.digits` has chapter 11's data pipeline (scikit-learn's bundled digits through torchvision
+  v2, or MNIST files already on disk), its small CNN and an atomic save; import it from there.
 
 Names are imported on first use: every rank and torchrun agent of a launch imports a piece of this
 package, and should not pay for the rest (psutil for the launcher, torch for `setup`).
