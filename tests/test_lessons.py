@@ -1,7 +1,8 @@
 """Every lesson script runs to the end on every rank at world sizes 1, 2, 3 and 4.
 
-World size 1 runs the way the README's second command does, `python lessons/X.py`, where
-lessonlib.setup makes a process group of one rank. World sizes 2 to 4 start one process per rank
+World size 1 runs the lesson the way the README's second command does, `python lessons/X.py`: as
+`__main__`, with none of torchrun's variables, so lessonlib.setup makes a process group of one rank
+(forked from the same server as the ranks below, which saves an `import torch` per lesson). World sizes 2 to 4 start one process per rank
 that runs the lesson file as `__main__` with the environment torchrun would give it (RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT on a reserved port, ...): real processes and real
 gloo, without a torchrun agent per run and without an `import torch` per rank (each rank is forked
@@ -104,6 +105,27 @@ def run_plain(lesson, args=()):
     return proc.returncode, out
 
 
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                 "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_alone(lesson, tmp_path):
+    """`python lesson.py`: the lesson as __main__ with none of torchrun's variables, so lessonlib.setup
+    takes its one-rank path, in a process forked from the server that has imported torch (as
+    run_ranks does); bounded, its session killed at the deadline after it printed its stack."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    log = tmp_path / "alone.log"
+    proc = rankfork.start_rank(lesson, ROOT, env, log)
+    proc.join(TIMEOUT)
+    timed_out = proc.exitcode is None
+    rankfork.kill_rank(proc, dump_stack=timed_out)
+    out = log.read_text(errors="replace") if log.exists() else ""
+    if timed_out:
+        pytest.fail(f"python {lesson.name} did not finish in {TIMEOUT} s; its stack when killed:\n{out[-5000:]}")
+    return proc.exitcode, out
+
+
 def run_ranks(lesson, world_size, tmp_path):
     """One process per rank with torchrun's environment, all bounded; every rank's exit code and output.
 
@@ -158,10 +180,13 @@ def test_lesson_runs(lesson, world_size, request, tmp_path):
     kind = kind_of(lesson)
     if kind == "single" and world_size > 1:
         pytest.skip(f"a single-process script (its command is `{command_of(lesson)}`): world size 1 only")
-    if world_size == 1 or kind == "spawn":
-        args = ["--world-size", str(world_size)] if kind == "spawn" else []
-        code, out = run_plain(lesson, args)
-        assert code == 0, f"python {lesson.name} {' '.join(args)} exited {code}:\n{out[-5000:]}"
+    if kind == "spawn":
+        code, out = run_plain(lesson, ["--world-size", str(world_size)])
+        assert code == 0, f"python {lesson.name} --world-size {world_size} exited {code}:\n{out[-5000:]}"
+        return
+    if world_size == 1:
+        code, out = run_alone(lesson, tmp_path)
+        assert code == 0, f"python {lesson.name} exited {code}:\n{out[-5000:]}"
         return
     if lesson.name.startswith("01_"):
         run = lessonlib.launch(lesson, nproc=world_size, timeout=TIMEOUT, show="none")
