@@ -15,3 +15,13 @@ import torch.nn.parallel  # noqa: E402,F401
 # torchmetrics (chapter 9), which also pulls in torchvision and scipy: pay once, not once per rank.
 import torch._dynamo  # noqa: E402,F401
 import torchmetrics  # noqa: E402,F401
+# What the lessons themselves import beyond torch: lessonlib and the digits data's pipeline
+# (scikit-learn's bundled data, torchvision's transforms), tqdm (chapter 11).
+import sklearn.datasets  # noqa: E402,F401
+import torchvision.transforms.v2  # noqa: E402,F401
+import tqdm  # noqa: E402,F401
+
+import lessonlib  # noqa: E402,F401
+import lessonlib.digits  # noqa: E402,F401
+import lessonlib.exercises  # noqa: E402,F401
+import lessonlib.training  # noqa: E402,F401
