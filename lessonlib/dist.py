@@ -105,9 +105,20 @@ def setup(backend=None, timeout=None, device=None):
 
 
 def teardown():
-    """Leave the process group (safe to call twice, or without setup)."""
+    """Leave the process group: a barrier, then destroy_process_group (safe twice, or without setup).
+
+    The barrier keeps a rank from closing its connections while a peer still needs them. Without it,
+    a rank that has finished (say, a lesson with no collective after setup) can exit while a slower
+    peer is still connecting gloo's mesh, and that peer's init_process_group fails with "Connection
+    closed by peer": this course's CI met exactly that on a loaded machine. A barrier that fails
+    (a peer is gone) still leaves the group, then raises.
+    """
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            if dist.get_world_size() > 1:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def report(tag, value):

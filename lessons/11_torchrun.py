@@ -144,7 +144,7 @@ def run(args):
                                     "train seconds": seconds, "steps per epoch": len(train_loader),
                                     "samples per epoch": count, "autocast": str(amp_dtype),
                                     "GradScaler": scaler.is_enabled()})
-    lessonlib.teardown()  # dist.destroy_process_group(), the pair of init_process_group
+    lessonlib.teardown()  # dist.barrier(), then dist.destroy_process_group(): the pair of init_process_group
 
 
 def main():
