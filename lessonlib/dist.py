@@ -97,6 +97,8 @@ def setup(backend=None, timeout=None, device=None):
     bound = datetime.timedelta(seconds=timeout)
     if not dist.is_initialized():
         kwargs = dict(backend=backend, timeout=bound)
+        if backend == "nccl":  # bind the group to this rank's GPU: barrier() and friends then use it
+            kwargs["device_id"] = device
         if launched:
             dist.init_process_group(init_method="env://", **kwargs)
         else:

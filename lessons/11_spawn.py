@@ -86,7 +86,8 @@ def run(rank, world_size, port, args):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.pg_timeout))  # a hang becomes an error
+                            timeout=datetime.timedelta(seconds=args.pg_timeout),  # a hang becomes an error
+                            device_id=device if device.type == "cuda" else None)  # NCCL: this rank's GPU
     is_main = rank == 0
     log = get_logger(rank)
     torch.manual_seed(args.seed)  # the same starting weights on every rank (DDP broadcasts rank 0's anyway)
