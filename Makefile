@@ -21,8 +21,8 @@ book: $(STAMP)
 	$(BIN)/jupyter-book build book -W -n --keep-going
 
 # Tests run in parallel, one pytest worker per CPU plus one, up to 4: ranks spend part of their time
-# waiting (on each other, on the short timeouts the pitfalls show), so one worker per CPU left a third
-# of a 2-core machine idle in CI (26 CPU-min in 22 min). And
+# waiting (on each other, on the short timeouts the pitfalls show), and the spare worker fills it. On
+# CI's 2 cores, sampled every 15 s, both were 190-200% busy but for the last two minutes. And
 # the book test (one long test, which itself executes two chapters at a time: BOOK_JOBS) runs beside the
 # lessons instead of after them. JOBS=1 runs the tests serially.
 JOBS ?= $(shell n=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2); n=$$((n + 1)); [ $$n -gt 4 ] && n=4; echo $$n)
