@@ -17,7 +17,6 @@ file is loaded by every rank: without map_location every rank's tensors land on 
 
 import argparse
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
@@ -153,8 +152,7 @@ def main():
     parser.add_argument("--dir", help="where to make the checkpoint folder (a shared file system with several nodes)")
     args = parser.parse_args()
     ctx = lessonlib.setup(device="cpu")
-    folder = shared_folder(ctx, args.dir)
-    try:
+    with shared_folder(ctx, args.dir) as folder:
         path = os.path.join(folder, "checkpoint.pt")
         pretrain(ctx, path, 3)
         rows = {name: case(name, ctx, path, args.steps) for name in CASES}
@@ -175,10 +173,6 @@ def main():
                       f"after {row['steps']} steps {row['gap after steps']:.1e}")
             print(f"no barrier: epochs read by rank: {read}")
             print("without map_location: " + "; ".join(f"rank {w['rank']}: {w['no map_location'][:60]}" for w in where))
-        dist.barrier()
-    finally:
-        if ctx.is_main:
-            shutil.rmtree(folder, ignore_errors=True)
     lessonlib.teardown()
 
 

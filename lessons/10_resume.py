@@ -17,7 +17,6 @@ counting epochs from 0 again); each makes the run differ (asserted).
 import argparse
 import os
 import random
-import shutil
 from contextlib import nullcontext
 
 import numpy as np
@@ -136,8 +135,7 @@ def main():
         parser.error("--stop-after must be below --epochs, or there is nothing left to resume")
     ctx = lessonlib.setup(device="cpu")
     E, k, r = args.epochs, args.stop_after, ctx.rank
-    folder = shared_folder(ctx, args.dir)
-    try:
+    with shared_folder(ctx, args.dir) as folder:
         path = os.path.join(folder, f"epoch{k}.pt")
         straight, run = {"losses": [], "scales": [], "orders": []}, new_run(args.seed, ctx)
         train(run, range(k), straight)
@@ -173,10 +171,6 @@ def main():
             for row in rows.values():
                 print(f"resumed, forgot {row['forgotten']:19}: same curve {str(row['same curve']):5} max weight "
                       f"diff {row['max weight difference']:.1e}; first epoch ordered as epoch {row['order of epoch']}")
-        dist.barrier()
-    finally:
-        if ctx.is_main:
-            shutil.rmtree(folder, ignore_errors=True)
     lessonlib.teardown()
 
 

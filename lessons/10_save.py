@@ -18,6 +18,7 @@ The folder is made by rank 0 (tempfile) and its path sent to every rank, or is m
 """
 
 import argparse
+import contextlib
 import os
 import re
 import resource
@@ -38,11 +39,21 @@ LIMIT = 256 * 1024  # bytes the killed process may write; the checkpoint is abou
 
 
 # [start: folder]
+@contextlib.contextmanager
 def shared_folder(ctx, parent=None):
-    """A new folder that every rank knows: made by rank 0, its path broadcast to the others."""
+    """A new folder that every rank knows: made by rank 0, its path broadcast to the others.
+
+    On leaving the block, rank 0 removes it: after a barrier when the block ended normally (nobody
+    is still reading), at once when it raised (a peer may be gone, and a barrier would only wait).
+    """
     box = [tempfile.mkdtemp(prefix="ch10-", dir=parent) if ctx.is_main else None]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    try:
+        yield box[0]
+        dist.barrier()
+    finally:
+        if ctx.is_main:
+            shutil.rmtree(box[0], ignore_errors=True)
 # [end: folder]
 
 
@@ -166,18 +177,13 @@ def main():
     parser.add_argument("--dir", help="where to make the checkpoint folder (a shared file system with several nodes)")
     args = parser.parse_args()
     ctx = lessonlib.setup(device="cpu")
-    folder = shared_folder(ctx, args.dir)
-    try:
+    with shared_folder(ctx, args.dir) as folder:
         ddp = DDP(model())
         if ctx.is_main:  # one writer: the replicas are equal (chapter 7)
             lessonlib.report("keys", keys(ddp, folder))
             for row in lessonlib.report("crashes", crashes(ddp, folder)):
                 print(f"{row['write']:11} {row['failure']:6}: torch.load then says {row['torch.load'][:70]}")
             print(f"weights_only=True refuses {lessonlib.report('weights_only', weights_only(folder))['globals the file needs']}")
-        dist.barrier()  # rank 0 removes the folder only once every rank is done with it
-    finally:
-        if ctx.is_main:
-            shutil.rmtree(folder, ignore_errors=True)
     lessonlib.teardown()
 
 

@@ -45,6 +45,9 @@ def context():
             probe = ctx.Process(target=_preloaded, name="preload probe")
             probe.start()
             probe.join(120)
+            if probe.exitcode is None:  # not done in 120 s: it must not outlive the check
+                probe.kill()
+                probe.join()
         finally:
             if saved is None:
                 del os.environ["PYTHONPATH"]
