@@ -16,8 +16,8 @@ import torch.nn.parallel  # noqa: E402,F401
 import torch._dynamo  # noqa: E402,F401
 import torchmetrics  # noqa: E402,F401
 # What the lessons themselves import beyond torch: lessonlib and the digits data's pipeline
-# (scikit-learn's bundled data, torchvision's transforms), tqdm (chapter 11).
-import sklearn.datasets  # noqa: E402,F401
+# (torchvision's transforms; lessonlib.digits reads scikit-learn's data file without importing it),
+# tqdm (chapter 11).
 import torchvision.transforms.v2  # noqa: E402,F401
 import tqdm  # noqa: E402,F401
 

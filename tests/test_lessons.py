@@ -2,13 +2,14 @@
 
 World size 1 runs the lesson the way the README's second command does, `python lessons/X.py`: as
 `__main__`, with none of torchrun's variables, so lessonlib.setup makes a process group of one rank
-(forked from the same server as the ranks below, which saves an `import torch` per lesson). World sizes 2 to 4 start one process per rank
-that runs the lesson file as `__main__` with the environment torchrun would give it (RANK,
-LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT on a reserved port, ...): real processes and real
-gloo, without a torchrun agent per run and without an `import torch` per rank (each rank is forked
-from a server that has imported it: tests/rankfork.py). That start-up is a large share of a small
-lesson's CPU time, and CI's time is the budget. Chapter 1's lessons are about torchrun itself and always run under it (lessonlib.launch), as
-does every launch in the book; the launcher tests cover torchrun's own behaviour.
+(forked from the same server as the ranks below, which saves the imports per lesson). World sizes 2
+to 4 start one process per rank that runs the lesson file as `__main__` with the environment
+torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT on a reserved
+port, ...): real processes and real gloo, without a torchrun agent per run and without an `import
+torch` per rank (each rank is forked from a server that has imported it: tests/rankfork.py). That
+start-up is a large share of a small lesson's CPU time, and CI's time is the budget. Chapter 1's
+lessons are about torchrun itself and always run under it (lessonlib.launch), as does every launch
+in the book; the launcher tests cover torchrun's own behaviour.
 
 A chapter that launches a lesson with its default arguments and `.raise_for_status()` already runs
 that lesson at that world size, every rank to exit 0, inside the book build. When the book build is
