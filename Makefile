@@ -1,12 +1,16 @@
-# Two entry points, each creating .venv on first use:
+# Three entry points, each creating .venv on first use:
 #   make book   set up, then execute every chapter on CPU (gloo) and build the HTML book in _build/html
-#   make test   set up, then run the whole test suite (launcher, lessons, and the book build)
+#   make lab    set up, then open JupyterLab on book/ with the course's kernel, to run chapters cell by cell
+#   make test   set up, then run the whole test suite (launcher, lessons, the book build, the browser test)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup book test bench clean
+.PHONY: setup book lab test bench clean
+# The kernel every chapter names in its metadata (kernelspec.name), so Jupyter and VS Code pick .venv's
+# Python. Registered inside .venv (--sys-prefix): nothing is written outside the checkout.
+KERNEL := dp-course
 
 setup: $(STAMP)
 
@@ -15,7 +19,12 @@ $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	$(BIN)/python -c "import torch, torchvision, lessonlib; print('torch', torch.__version__, '| torchvision', torchvision.__version__)"
+	$(BIN)/python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python (dp-course .venv)" >/dev/null
 	touch $(STAMP)
+
+# JupyterLab on 127.0.0.1 (it prints the URL with its token), opened on the chapters.
+lab: $(STAMP)
+	$(BIN)/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir=. --FileContentsManager.preferred_dir=book
 
 book: $(STAMP)
 	$(BIN)/jupyter-book build book -W -n --keep-going
