@@ -1,0 +1,345 @@
+"""Run a lesson from a terminal, and list the lessons (chapter 1).
+
+    python -m lessonlib run lessons/02_collectives.py -n 4 -- --ops broadcast,all_reduce
+    python -m lessonlib run lessons/01_launch.py --columns
+    python -m lessonlib list
+
+`run` is `lessonlib.launch(..., show="text")`: every line a rank prints appears at once with a
+`[rank N]` prefix, the run is bounded by --timeout, and no process of it outlives it. Afterwards
+--columns shows the ranks side by side, as wide as the terminal. Options for the lesson itself go
+after `--`. Exit status: 0 when every rank exited 0; 1 when a rank failed, and the last lines on
+stderr name the first rank that failed with its error; 124 on timeout; 130 on Ctrl-C; 2 for bad
+input, before anything starts.
+
+`list` and `--help` read files only (docstrings with ast, chapter titles from the notebooks with
+json): they do not import torch, or even the launcher.
+"""
+
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # the course checkout: lessons/ and book/ live here
+LESSON_GLOB = "lessons/[0-9][0-9]_*.py"
+NOTEBOOK_GLOB = "book/[0-9][0-9]_*.ipynb"
+# The launcher's bounds, repeated here so that --help and list need not import it (test_runner checks
+# that they agree).
+MAX_NPROC = 16
+MAX_TIMEOUT = 3600.0
+DEFAULT_NPROC = 2  # for a script whose docstring names no world size
+DEFAULT_TIMEOUT = 300.0
+MIN_COLUMN = 24  # characters; narrower than this, ranks wrap onto another row of columns
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_INTERRUPTED = 0, 1, 2, 124, 130
+
+RUN_EPILOG = f"""\
+Options for the lesson itself go after `--`: everything after it is passed to the lesson as is.
+An option that lessonlib run does not know, given before `--`, is an error.
+
+examples:
+  python -m lessonlib run lessons/02_collectives.py            ranks as its docstring says (4)
+  python -m lessonlib run lessons/01_launch.py -n 3            3 ranks
+  python -m lessonlib run lessons/01_launch.py -- --fail-rank 1
+                                                              see how a failing rank looks
+  python -m lessonlib run lessons/07_buckets.py --columns -- --steps 5
+                                                              ranks side by side afterwards
+  python -m lessonlib run lessons/01_launch.py -n 1 -- --help  the lesson's own options
+
+exit status: 0 every rank exited 0; 1 a rank failed (the last lines on stderr name the first rank
+that failed and its error); {EXIT_TIMEOUT} timed out; {EXIT_INTERRUPTED} interrupted (Ctrl-C); 2 bad input (nothing started).
+"""
+
+
+class UsageError(Exception):
+    """Bad input found before anything started: a message for the reader, exit status 2."""
+
+
+# --------------------------------------------------------------------------- lessons and chapters
+
+def lesson_files(root=ROOT):
+    """Every lesson, by pattern (a new lesson is listed the moment it is added)."""
+    return sorted(Path(root).glob(LESSON_GLOB))
+
+
+def docstring(path):
+    """The module docstring of a Python file, or '' if it has none. Raises SyntaxError."""
+    return ast.get_docstring(ast.parse(Path(path).read_text(encoding="utf-8"), filename=str(path))) or ""
+
+
+def command_of(path):
+    """The command on the first line of a lesson's docstring ('' if none)."""
+    doc = docstring(path).strip()
+    return doc.splitlines()[0] if doc else ""
+
+
+def summary_of(path):
+    """The docstring's first paragraph after the command, on one line: what the lesson shows."""
+    paragraphs = re.split(r"\n\s*\n", docstring(path).strip())[1:]
+    text = " ".join(paragraphs[0].split()) if paragraphs else ""
+    return "" if text.startswith("Options:") else text
+
+
+def kind_of(command):
+    """'torchrun' (torchrun --nproc_per_node=N ...), 'spawn' (python ... --world-size N: the script
+    starts its own processes) or 'single' (python ...: one process); '' for anything else."""
+    if command.startswith("torchrun "):
+        return "torchrun"
+    if command.startswith("python "):
+        return "spawn" if "--world-size" in command.split() else "single"
+    return ""
+
+
+def nproc_of(command):
+    """The world size a lesson's command runs it at: N of --nproc_per_node=N, 1 for `python x.py`."""
+    if kind_of(command) == "single":
+        return 1
+    m = re.search(r"--nproc[_-]per[_-]node[= ](\d+)", command)
+    return int(m.group(1)) if m else None
+
+
+def chapter_titles(root=ROOT):
+    """{chapter number: (title, notebook file name)}, from each notebook's first markdown heading."""
+    titles = {}
+    for notebook in sorted(Path(root).glob(NOTEBOOK_GLOB)):
+        title = notebook.stem[3:].replace("_", " ")
+        try:
+            cells = json.loads(notebook.read_text(encoding="utf-8")).get("cells", [])
+        except (OSError, json.JSONDecodeError):
+            cells = []
+        for cell in cells:
+            if cell.get("cell_type") == "markdown":
+                m = re.search(r"^#\s+(.+?)\s*$", "".join(cell.get("source", "")), re.M)
+                if m:
+                    title = m.group(1).replace("`", "")
+                    break
+        titles.setdefault(int(notebook.name[:2]), (title, notebook.name))
+    return titles
+
+
+def list_lessons(out=None, root=ROOT):
+    """Print every lesson grouped by chapter: its command, and what it shows."""
+    out = out or sys.stdout
+    titles = chapter_titles(root)
+    lessons = lesson_files(root)
+    chapter = None
+    for path in lessons:
+        number = int(path.name[:2])
+        if number != chapter:
+            chapter = number
+            title, notebook = titles.get(number, (f"Chapter {number}", None))
+            if not re.match(rf"{number}\.\s", title):
+                title = f"{number}. {title}"
+            out.write(("\n" if path != lessons[0] else "") + title + (f"  (book/{notebook})" if notebook else "") + "\n")
+        try:
+            command, summary = command_of(path), summary_of(path)
+        except SyntaxError as e:
+            command, summary = f"lessons/{path.name}", f"(does not parse: {e})"
+        out.write(f"  {command or 'lessons/' + path.name}\n")
+        if summary:
+            out.write(f"      {summary}\n")
+    out.write(f"\n{len(lessons)} lessons. Run one with: python -m lessonlib run lessons/NN_name.py "
+              "[-n N] [-- lesson options]\n")
+
+
+# --------------------------------------------------------------------------- run
+
+def _nproc(text):
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of ranks from 1 to {MAX_NPROC}, got {text!r}") from None
+    if not 1 <= n <= MAX_NPROC:
+        raise argparse.ArgumentTypeError(
+            f"must be from 1 to {MAX_NPROC} ranks (each rank is a whole Python process with torch loaded); got {n}")
+    return n
+
+
+def _timeout(text):
+    try:
+        t = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < t <= MAX_TIMEOUT:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in (0, {MAX_TIMEOUT:g}]; got {text}")
+    return t
+
+
+def check_script(script, nproc):
+    """(resolved path, nproc to use), or UsageError naming what is wrong and what is allowed."""
+    given = Path(script)
+    # As torchrun would read it (from this directory), else from the course root, like lessonlib.launch.
+    candidates = [given] if given.is_absolute() else list(dict.fromkeys([Path.cwd() / given, ROOT / given]))
+    path = next((c.resolve() for c in candidates if c.is_file()), None)
+    if path is None:
+        where = " or ".join(str(c) for c in candidates)
+        raise UsageError(f"{script}: no such file ({where}); `python -m lessonlib list` shows the lessons")
+    if path.suffix != ".py":
+        raise UsageError(f"{script}: not a lesson (a lesson is a Python file, lessons/NN_name.py)")
+    try:
+        command = command_of(path)
+    except SyntaxError as e:
+        raise UsageError(f"{script}: not a lesson: it is not valid Python ({e.msg}, line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{script}: not a lesson: not a UTF-8 text file") from None
+    kind = kind_of(command)
+    if kind == "spawn":
+        raise UsageError(f"{script} starts its own processes (torch.multiprocessing.spawn), so it does not run "
+                         f"under torchrun; run it as its docstring says: {command}")
+    if kind == "single" and nproc not in (None, 1):
+        raise UsageError(f"{script} is a one-process script (its command is `{command}`): -n must be 1; got {nproc}")
+    if nproc is None:
+        nproc = nproc_of(command) or DEFAULT_NPROC
+    return path, nproc
+
+
+def run_lesson(script, nproc=None, timeout=DEFAULT_TIMEOUT, args=(), columns=False):
+    """Launch `script` with every rank's lines shown live; return the exit status (see the docstring)."""
+    path, nproc = check_script(script, nproc)
+    from .launcher import launch  # psutil and the display, not torch
+
+    try:
+        result = launch(path, nproc=nproc, args=list(args), timeout=timeout, show="text", cwd=os.getcwd())
+    except (ValueError, FileNotFoundError) as e:  # the launcher's own checks, before it starts anything
+        raise UsageError(str(e)) from None
+    sys.stdout.flush()
+    if columns:
+        sys.stdout.write(render_columns(result, shutil.get_terminal_size().columns) + "\n")
+        sys.stdout.flush()
+    if result.ok:
+        return EXIT_OK
+    sys.stderr.write(result.describe_failure().rstrip("\n") + "\n")
+    sys.stderr.write(f"lessonlib run: {failure_line(result)}\n")
+    sys.stderr.flush()
+    return EXIT_TIMEOUT if result.timed_out else EXIT_FAILED
+
+
+def failure_line(result):
+    """One line: what went wrong, naming the rank and its error."""
+    cause = result.root_cause
+    first = (f"rank {cause.rank} failed first" + (f" with {cause.error}" if cause.error else f", exit code {cause.exitcode}")
+             if cause is not None else "")
+    if result.timed_out:
+        stuck = [r.rank for r in result.ranks if r.status == "hung"]
+        line = f"{result.script} timed out after {result.timeout:g} s (--timeout)"
+        if stuck:
+            line += f"; rank(s) {', '.join(map(str, stuck))} were still running and were killed"
+        return line + (f"; before that, {first}" if first else "")
+    line = f"{result.script} failed on rank(s) {', '.join(map(str, result.failed_ranks))} of {result.world_size}"
+    return line + (f": {first}" if first else "")
+
+
+def _exit_text(rank):
+    if rank.status == "ok":
+        return "exit 0"
+    code = f"exit {rank.exitcode}" if rank.exitcode is not None else "no exit code"
+    return code if rank.status == "failed" else f"{rank.status}, {code}"
+
+
+def _wrap(line, width):
+    line = line.expandtabs(4).rstrip()
+    return [line[i:i + width] for i in range(0, len(line), width)] or [""]
+
+
+def render_columns(result, width):
+    """Each rank's output in a column of its own, as many columns per row as fit in `width` characters."""
+    sep = " | "
+    n = len(result.ranks)
+    per_row = max(1, min(n, (width + len(sep)) // (MIN_COLUMN + len(sep))))
+    col = max(8, (width - len(sep) * (per_row - 1)) // per_row)
+    blocks = []
+    for start in range(0, n, per_row):
+        ranks = result.ranks[start:start + per_row]
+        cells = []
+        for r in ranks:
+            lines = [f"rank {r.rank} ({_exit_text(r)})", "-" * col]
+            for text in r.stdout.splitlines():
+                lines += _wrap(text, col)
+            if r.stderr.strip():
+                lines.append("-- stderr --")
+                for text in r.stderr.splitlines():
+                    lines += _wrap(text, col)
+            cells.append(lines)
+        height = max(len(c) for c in cells)
+        rows = []
+        for i in range(height):
+            parts = [(c[i] if i < len(c) else "").ljust(col) for c in cells]
+            rows.append(sep.join(parts).rstrip())
+        blocks.append("\n".join(rows))
+    return "\n\n".join(blocks)
+
+
+# --------------------------------------------------------------------------- command line
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m lessonlib",
+        description="Run the course's lessons from a terminal.",
+        epilog="examples:\n  python -m lessonlib list\n  python -m lessonlib run lessons/01_launch.py -n 2\n"
+               "  python -m lessonlib run --help",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="{run,list}")
+    run = sub.add_parser(
+        "run", help="run a lesson under torchrun, each rank's lines shown live with a [rank N] prefix",
+        description="Run a lesson under torchrun (lessonlib.launch): every rank's lines shown live with a\n"
+                    "[rank N] prefix, bounded by --timeout, no process left behind.",
+        usage="python -m lessonlib run SCRIPT [-n N] [--timeout SECONDS] [--columns] [-- LESSON OPTIONS ...]",
+        epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("script", help="the lesson, e.g. lessons/01_launch.py (python -m lessonlib list shows them)")
+    run.add_argument("-n", "--nproc", type=_nproc, default=None, metavar="N",
+                     help=f"ranks, 1 to {MAX_NPROC} (default: the N in the lesson's docstring command, "
+                          f"else {DEFAULT_NPROC})")
+    run.add_argument("--timeout", type=_timeout, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                     help=f"stop the run after this many seconds, printing where each rank was "
+                          f"(default {DEFAULT_TIMEOUT:g}, at most {MAX_TIMEOUT:g})")
+    run.add_argument("--columns", action="store_true",
+                     help="after the run, show the ranks side by side in columns as wide as the terminal")
+    sub.add_parser("list", help="list every lesson by chapter, with the command that runs it",
+                   description="List every lesson (lessons/NN_*.py) by chapter, with the command on the first "
+                               "line of its docstring and what it shows.")
+    return parser, run
+
+
+def main(argv=None):
+    """`python -m lessonlib`: returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        # Everything after the first `--` belongs to the lesson; argparse never sees it.
+        split = argv.index("--") if "--" in argv else len(argv)
+        ours, lesson_args = argv[:split], argv[split + 1:]
+        parser, run_parser = build_parser()
+        args, unknown = parser.parse_known_args(ours)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
+        if unknown:
+            if args.command == "run":
+                run_parser.error(f"unrecognized argument(s) {' '.join(unknown)}: options for the lesson go after "
+                                 f"`--`, e.g. python -m lessonlib run {args.script} -- {' '.join(unknown)}")
+            parser.error(f"unrecognized argument(s): {' '.join(unknown)}")
+        if args.command == "list":
+            if split < len(argv):
+                parser.error("list takes no arguments")
+            try:
+                list_lessons()
+                sys.stdout.flush()
+            except BrokenPipeError:  # `python -m lessonlib list | head`: the reader has seen enough
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_OK
+        try:
+            return run_lesson(args.script, args.nproc, args.timeout, lesson_args, args.columns)
+        except UsageError as e:
+            run_parser.print_usage(sys.stderr)
+            sys.stderr.write(f"{run_parser.prog}: error: {e}\n")
+            return EXIT_USAGE
+    except KeyboardInterrupt:
+        # The launcher has already stopped and killed every process of the run before this arrives.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not print a traceback now
+        sys.stdout.flush()
+        sys.stderr.write("\nlessonlib run: interrupted (Ctrl-C); every process of the run was stopped\n")
+        sys.stderr.flush()
+        return EXIT_INTERRUPTED
