@@ -1,6 +1,9 @@
-"""torchrun --nproc_per_node=3 lessons/02_exercise_all_gather.py [--solution FILE --function NAME]
+"""torchrun --nproc_per_node=3 lessons/02_exercise_all_gather.py
 
 Checker for the chapter 2 exercise: all_gather built from dist.broadcast alone.
+
+Options: --solution FILE checks your answer, the function named by --function NAME (default:
+all_gather_from_broadcast) in FILE.
 
 A solution is a function `f(tensor_list, tensor)` that, like dist.all_gather, fills tensor_list[k]
 with rank k's `tensor` on every rank, and leaves `tensor` unchanged. While it runs, every other

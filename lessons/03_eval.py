@@ -1,6 +1,9 @@
-"""torchrun --nproc_per_node=3 lessons/03_eval.py [--log-every-batch --pg-timeout 3]
+"""torchrun --nproc_per_node=3 lessons/03_eval.py
 
 Evaluating on W ranks: padding duplicates bias the metric; uneven shards need equal collective calls.
+
+Options: --log-every-batch (the pitfall), best with --pg-timeout 3 (the process-group timeout in seconds;
+lessonlib's default is 30), which bounds the longer rank's wait.
 
 The "model" here is a fixed answer sheet: sample i is classified correctly unless i % 3 == 0, so the
 true accuracy over the n samples is known exactly, computed in one process. Three evaluations:

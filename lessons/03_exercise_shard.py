@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=3 lessons/03_exercise_shard.py [--solution FILE --function NAME]
+"""torchrun --nproc_per_node=3 lessons/03_exercise_shard.py
 
 Checker for the chapter 3 exercise: compute DistributedSampler's indices without it.
+
+Options: --solution FILE checks your answer, the function named by --function NAME (default: shard) in FILE.
 
 A solution is a function `shard(n, rank, world_size, seed, epoch, shuffle, drop_last)` returning the
 list of indices that DistributedSampler(range(n), world_size, rank, shuffle, seed, drop_last), moved

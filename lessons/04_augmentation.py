@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/04_augmentation.py [--cases a,b,c,d,e]
+"""torchrun --nproc_per_node=2 lessons/04_augmentation.py
 
 Do the ranks draw the same random crops? Measured for five ways of seeding, with torchvision v2.
+
+Options: --cases a,b,c,d,e (the default: all five).
 
 Each rank gets different images (DistributedSampler), but what matters here is the random crop and
 flip each rank applies at each step. v2 applies one call's random parameters to every image passed

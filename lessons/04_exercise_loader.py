@@ -1,6 +1,9 @@
-"""torchrun --nproc_per_node=3 lessons/04_exercise_loader.py [--solution FILE --function NAME]
+"""torchrun --nproc_per_node=3 lessons/04_exercise_loader.py
 
 Checker for the chapter 4 exercise: a DataLoader whose random draws never repeat, yet repeat on demand.
+
+Options: --solution FILE checks your answer, the function named by --function NAME (default: make_loader) in
+FILE.
 
 A solution is `make_loader(dataset, batch_size, seed, rank, world_size) -> DataLoader`. The dataset is
 like lesson 04_workers.py's: each sample draws from torch, `random`, numpy's global RNG and a numpy

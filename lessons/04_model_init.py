@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/04_model_init.py [--modes unseeded,same-seed,seed+rank,seed+rank+ddp]
+"""torchrun --nproc_per_node=2 lessons/04_model_init.py
 
 How ranks come to hold the same starting weights, and why averaged gradients cannot do it for them.
+
+Options: --modes unseeded,same-seed,seed+rank,seed+rank+ddp (the default: all four).
 
 Every rank builds the model itself, from its own torch RNG. Without torch.manual_seed each process
 starts from a different random seed, so the models differ; the same seed on every rank makes them

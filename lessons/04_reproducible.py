@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/04_reproducible.py [--seed 0 --epochs 3]
+"""torchrun --nproc_per_node=2 lessons/04_reproducible.py
 
 A DDP training run that repeats bitwise, what quietly breaks that, and the fix.
+
+Options: --seed 0, --epochs 3 (the defaults).
 
 A small MLP with Dropout learns generated data; each batch gets a little random noise (a stand-in for
 augmentation); the DistributedSampler shuffles per epoch. The loss of every step is all-reduced into

@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/04_resume.py [--epochs 4 --stop-after 2]
+"""torchrun --nproc_per_node=2 lessons/04_resume.py
 
 Resume from a checkpoint so that the run continues exactly as if it had never stopped.
+
+Options: --epochs 4, --stop-after 2 (the defaults).
 
 A small DDP run (noise from torch, `random` and numpy, dropout, per-rank seeds, a shuffling
 DistributedSampler, a loader generator) trains --epochs epochs straight through. Then again, stopping

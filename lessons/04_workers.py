@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/04_workers.py [--setups a,b,c]
+"""torchrun --nproc_per_node=2 lessons/04_workers.py
 
 Which random draws repeat across DataLoader workers and across ranks, per source of randomness.
+
+Options: --setups a,b,c (the default: all three).
 
 Each sample draws one number from torch, from `random`, from numpy's global RNG, and from a numpy
 Generator the dataset made in __init__ (`held`). Each rank reads its DistributedSampler shard with

@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/05_by_hand.py [--batch 4] [--steps 5]
+"""torchrun --nproc_per_node=2 lessons/05_by_hand.py
 
 Data-parallel SGD written by hand, then with DistributedDataParallel, against one process.
+
+Options: --batch 4, --steps 5 (the defaults).
 
 Every step has a global batch of N x b rows (N ranks, b rows each). Rank r takes its own b rows,
 computes the mean loss over them, calls backward(), averages the gradients over the ranks with

@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/05_data_parallel.py [--iters 300]
+"""torchrun --nproc_per_node=2 lessons/05_data_parallel.py
 
 nn.DataParallel from a real run: what it does without GPUs, with them, and why threads lose to processes.
+
+Options: --iters 300 (the default).
 
 DataParallel is one process. With two or more GPUs, every forward() splits the batch across them
 (scatter), copies the module to every GPU (replicate), runs the copies in one Python thread each

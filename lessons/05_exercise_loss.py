@@ -1,6 +1,9 @@
-"""torchrun --nproc_per_node=3 lessons/05_exercise_loss.py [--solution FILE --function NAME]
+"""torchrun --nproc_per_node=3 lessons/05_exercise_loss.py
 
 Checker for the chapter 5 exercise: the loss that keeps DDP exact when ranks hold unequal batches.
+
+Options: --solution FILE checks your answer, the function named by --function NAME (default: ddp_loss) in
+FILE.
 
 A solution is a function `ddp_loss(pred, target)` returning the scalar that this rank calls
 backward() on, under DistributedDataParallel, when the ranks hold different numbers of rows. It must

@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=4 lessons/05_what_breaks.py [--batch 4]
+"""torchrun --nproc_per_node=4 lessons/05_what_breaks.py
 
 What breaks "N ranks x b rows == one process x N*b rows", measured on the first gradient.
+
+Options: --batch 4 (the default).
 
 Each case computes the gradient that every rank ends up with after one backward() under DDP, and
 compares it with the gradient of one process on all the rows (mean loss). Scaling mistakes give the

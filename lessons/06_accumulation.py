@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/06_accumulation.py [--micro 4] [--rows 3] [--steps 3] [--timing-steps 10]
+"""torchrun --nproc_per_node=2 lessons/06_accumulation.py
 
 Gradient accumulation under DDP: the 1/k scale, no_sync(), and how many all-reduces each costs.
+
+Options: --micro 4, --rows 3, --steps 3, --timing-steps 10 (the defaults).
 
 Each rank runs k micro-batches of m rows per optimizer step. Scaling each micro-batch's mean loss by
 1/k and stepping after the k-th equals one process on all N x k x m rows at once (asserted after every

@@ -1,6 +1,9 @@
-"""torchrun --nproc_per_node=3 lessons/06_exercise_accumulate.py [--solution FILE --function NAME]
+"""torchrun --nproc_per_node=3 lessons/06_exercise_accumulate.py
 
 Checker for the chapter 6 exercise: one optimizer step of gradient accumulation under DDP.
+
+Options: --solution FILE checks your answer, the function named by --function NAME (default: accumulate_step)
+in FILE.
 
 A solution is a function `accumulate_step(ddp, opt, micro_batches)`: `ddp` is a DistributedDataParallel
 model, `opt` its optimizer, `micro_batches` a list of k (x, y) pairs for this rank. It must leave the

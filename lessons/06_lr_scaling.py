@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=4 lessons/06_lr_scaling.py [--batch 16] [--epochs 4] [--lr 0.02]
+"""torchrun --nproc_per_node=4 lessons/06_lr_scaling.py
 
 Batch size and learning rate: the per-rank batch, the global batch, the linear scaling rule and warm-up.
+
+Options: --batch 16, --epochs 4, --lr 0.02 (the defaults).
 
 With a DistributedSampler and a DataLoader batch of b, one step of N ranks uses N x b rows: the
 global batch is N times the single-process one, and an epoch has N times fewer steps. Keep the

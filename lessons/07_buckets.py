@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/07_buckets.py [--layers 8] [--width 64] [--bucket-cap-mb 0.03] [--steps 3]
+"""torchrun --nproc_per_node=2 lessons/07_buckets.py
 
 DDP's gradient buckets, watched from inside backward(): what each one holds, and when it is sent.
+
+Options: --layers 8, --width 64, --bucket-cap-mb 0.03, --steps 3 (the defaults).
 
 DDP does not all-reduce each gradient alone: it packs gradients into buckets of about bucket_cap_mb
 (MiB) and all-reduces a bucket once every gradient in it is ready. A communication hook (called once

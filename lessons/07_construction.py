@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=3 lessons/07_construction.py [--steps 3]
+"""torchrun --nproc_per_node=3 lessons/07_construction.py
 
 What DistributedDataParallel does before any gradient moves: broadcasts, buffers, and model.module.
+
+Options: --steps 3 (the default).
 
 1. Construction broadcasts rank 0's parameters and buffers into every rank's module, in place: ranks
    that built different models (seed + rank) hold rank 0's after DDP(model). `init_sync=False` skips

@@ -1,6 +1,9 @@
-"""torchrun --nproc_per_node=3 lessons/07_exercise_syncbn.py [--solution FILE --function NAME]
+"""torchrun --nproc_per_node=3 lessons/07_exercise_syncbn.py
 
 Checker for the chapter 7 exercise: the statistics SyncBatchNorm normalises with, from every rank's rows.
+
+Options: --solution FILE checks your answer, the function named by --function NAME (default:
+global_batch_stats) in FILE.
 
 A solution is a function `global_batch_stats(x)` that takes this rank's rows, a (rows, features) float64
 tensor, and returns `(mean, var)`, each of shape (features,): the mean and the biased variance (what

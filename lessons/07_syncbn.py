@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/07_syncbn.py [--rows 4] [--features 3]
+"""torchrun --nproc_per_node=2 lessons/07_syncbn.py
 
 BatchNorm over the global batch: what per-rank statistics get wrong, and SyncBatchNorm by hand.
+
+Options: --rows 4, --features 3 (the defaults).
 
 Rank r holds rows + r rows centred near r. Plain BatchNorm1d on each rank normalises with its own rows'
 statistics, so it differs from BatchNorm over all ranks' rows (rebuilt on every rank from gathered data).

@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/07_timing.py [--layers 16] [--steps 3] [--caps 0.01,0.5,25]
+"""torchrun --nproc_per_node=2 lessons/07_timing.py
 
 What averaging gradients costs: one all_reduce per tensor, one flat all_reduce, DDP's buckets.
+
+Options: --layers 16, --steps 3, --caps 0.01,0.5,25 (the defaults).
 
 Every variant trains the same model (many small Linear layers, float32) from the same weights on the
 same per-rank batches, with SGD on an MSE loss: no communication at all (the floor), one all_reduce

@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/08_ddp_amp.py [--steps 6] [--bad-step 3]
+"""torchrun --nproc_per_node=2 lessons/08_ddp_amp.py
 
 AMP under DDP: one rank's overflow makes every rank skip the step; where autocast goes; the scaler's state.
+
+Options: --steps 6, --bad-step 3 (the defaults).
 
 Each rank trains the same DDP model in float16 autocast on the CPU with its own GradScaler. At
 --bad-step the last rank's batch holds an outlier row that overflows float16 (in the forward, or in

@@ -1,6 +1,9 @@
-"""torchrun --nproc_per_node=2 lessons/08_exercise_amp_step.py [--solution FILE --function NAME]
+"""torchrun --nproc_per_node=2 lessons/08_exercise_amp_step.py
 
 Checker for the chapter 8 exercise: one mixed-precision training step under DDP, with clipping.
+
+Options: --solution FILE checks your answer, the function named by --function NAME (default: amp_step) in
+FILE.
 
 A solution is a function `amp_step(ddp, opt, scaler, x, y, max_norm)`: `ddp` is a DistributedDataParallel
 model, `opt` its SGD optimizer, `scaler` a GradScaler, (x, y) this rank's batch. It must run the forward

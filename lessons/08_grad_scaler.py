@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/08_grad_scaler.py [--steps 14] [--init-scale 1048576]
+"""torchrun --nproc_per_node=2 lessons/08_grad_scaler.py
 
 Why float16 needs a GradScaler, and what scale, unscale_, step and update do, step by step.
+
+Options: --steps 14, --init-scale 1048576 (the defaults).
 
 float16 flushes values below 2**-24 to zero. A small loss (here the mean squared error times 1e-7) under
 float16 autocast gives all-zero gradients; multiplied by 2**16 before backward and divided after, they

@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/08_speed_memory.py [--sizes 128x32,256x512] [--runs 3] [--cuda-size 4096x16384]
+"""torchrun --nproc_per_node=2 lessons/08_speed_memory.py
 
 Does autocast make this machine faster, and how much memory do the saved activations take?
+
+Options: --sizes 128x32,256x512, --runs 3, --cuda-size 4096x16384 (the defaults).
 
 Memory: the tensors autograd saves for backward are recorded with saved_tensors_hooks during one
 forward of a 4-layer MLP (WIDTH x WIDTH linears with ReLU, BATCH rows), and sorted into activations,

@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=3 lessons/09_averages.py [--size 101 --batch-size 8]
+"""torchrun --nproc_per_node=3 lessons/09_averages.py
 
 Averaging a metric over ranks: the mean of means against all-reducing (sum, count).
+
+Options: --size 101, --batch-size 8 (the defaults).
 
 The "model" is a fixed random classifier: every item's logits and label come from one seeded
 generator, so every rank builds the same table and one process can compute the true mean loss and

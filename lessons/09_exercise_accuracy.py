@@ -1,6 +1,9 @@
-"""torchrun --nproc_per_node=3 lessons/09_exercise_accuracy.py [--solution FILE --function NAME]
+"""torchrun --nproc_per_node=3 lessons/09_exercise_accuracy.py
 
 Checker for the chapter 9 exercise: the accuracy over a dataset evaluated on many ranks, every item once.
+
+Options: --solution FILE checks your answer, the function named by --function NAME (default: global_accuracy)
+in FILE.
 
 A solution is a function `global_accuracy(indices, correct)`: `indices` holds the dataset indices this
 rank evaluated (an int64 tensor, possibly empty; across ranks an index may appear twice, as

@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=3 lessons/09_gather.py [--size 101]
+"""torchrun --nproc_per_node=3 lessons/09_gather.py
 
 DistributedSampler's padding duplicates skew a metric; gathering (index, prediction) removes them.
+
+Options: --size 101 (the default).
 
 Every rank predicts with the same fixed random classifier on its DistributedSampler share (shuffle
 on, the default, as in one source note's test loader). The sampler pads to a multiple of W by

@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=3 lessons/09_reduce_on_main.py [--bug-timeout 3]
+"""torchrun --nproc_per_node=3 lessons/09_reduce_on_main.py
 
 reduce versus all_reduce (who holds the result), and a collective called on the main rank only.
+
+Options: --bug-timeout 3 (seconds, the default).
 
 Every rank counts its correct answers on its unpadded shard of a fixed classifier's n = 101 answers.
   1. reduce(dst=0): rank 0 holds the totals; on the other ranks the buffer is not the result (gloo

@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=3 lessons/09_save_results.py [--out-dir DIR]
+"""torchrun --nproc_per_node=3 lessons/09_save_results.py
 
 Saving inference results: one file per rank, merged on rank 0 after a barrier.
+
+Options: --out-dir DIR (default: a temporary folder, removed at the end).
 
 Processes share no memory, so each rank's predictions live in its own process. Here every rank writes
 its share of the fixed classifier's results (index, prediction, label, loss) as JSON lines to a file of

@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/09_torchmetrics.py [--size 101 --batch-size 8]
+"""torchrun --nproc_per_node=2 lessons/09_torchmetrics.py
 
 torchmetrics: per-batch update() on every rank, compute() synced across ranks, checked by hand.
+
+Options: --size 101, --batch-size 8 (the defaults).
 
 The fixed random classifier of this chapter, evaluated over DistributedSampler shares in batches.
 MulticlassAccuracy (micro: correct / count) and MeanMetric (the mean loss per item) are updated

@@ -1,6 +1,10 @@
-"""torchrun --nproc_per_node=2 lessons/10_exercise_checkpoint.py [--solution FILE --function NAME]
+"""torchrun --nproc_per_node=2 lessons/10_exercise_checkpoint.py
 
 Checker for the chapter 10 exercise: save_checkpoint(path, ddp, opt, epoch) and load_checkpoint(path, ddp, opt).
+
+Options: --solution FILE checks your answer, the function named by --function NAME (default: save_checkpoint;
+a load_... name checks loading) in FILE; --dir DIR (where to make the checkpoint folder; default: a temporary
+one).
 
 Both run on every rank; --function's name (save_... or load_...) says which one is checked. The file
 holds {"model": the bare model's state dict, "opt": the optimizer's, "epoch": epoch}.

@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/10_load.py [--steps 3 --dir DIR]
+"""torchrun --nproc_per_node=2 lessons/10_load.py
 
 Loading a checkpoint under DDP: on every rank, after a barrier, with map_location.
+
+Options: --steps 3 (the default), --dir DIR (where to make the checkpoint folder; default: a temporary one).
 
 Rank 0 writes a checkpoint (weights and SGD momentum, after a few steps in one process), atomically,
 then a barrier. Every rank builds its model from seed + rank (chapter 4), so the ranks start apart.

@@ -1,6 +1,9 @@
-"""torchrun --nproc_per_node=2 lessons/10_resume.py [--epochs 4 --stop-after 2 --dir DIR]
+"""torchrun --nproc_per_node=2 lessons/10_resume.py
 
 Resume from a file: model, optimizer, GradScaler, sampler epoch, step counter and every rank's RNG states.
+
+Options: --epochs 4, --stop-after 2 (the defaults), --dir DIR (where to make the checkpoint folder; default: a
+temporary one).
 
 Chapter 4's run (per-rank seeds, dropout, noise from torch, random and numpy, a shuffling sampler, a
 loader generator, SGD with momentum), now in float16 autocast with a GradScaler (chapter 8). At this

@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/10_save.py [--dir DIR]
+"""torchrun --nproc_per_node=2 lessons/10_save.py
 
 Writing a DDP checkpoint: which state dict, written how, and what torch.load accepts.
+
+Options: --dir DIR (where to make the checkpoint folder; default: a temporary one).
 
 1. Keys. ddp.state_dict() names every entry "module." + name. A file saved that way, as one source note
    does, does not load into the bare model of a one-process script (the real error, from the file);

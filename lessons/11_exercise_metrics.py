@@ -1,6 +1,9 @@
-"""torchrun --nproc_per_node=3 lessons/11_exercise_metrics.py [--solution FILE --function NAME]
+"""torchrun --nproc_per_node=3 lessons/11_exercise_metrics.py
 
 Checker for the chapter 11 exercise: an epoch's metrics from every rank's sums and counts.
+
+Options: --solution FILE checks your answer, the function named by --function NAME (default: epoch_metrics) in
+FILE.
 
 A solution is a function `epoch_metrics(loss_sum, correct, count)`: this rank's sum of per-sample
 losses, number of correct predictions and number of samples (Python numbers). It must return

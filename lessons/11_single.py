@@ -1,6 +1,8 @@
-"""python lessons/11_single.py [--epochs 3 --batch-size 48 --dataset digits]
+"""python lessons/11_single.py
 
 Chapter 11, step 1 of 3: one process trains a small CNN on real handwritten digits.
+
+Options: --epochs 3, --batch-size 48, --dataset digits (the defaults).
 
 The data are scikit-learn's bundled digits (1,797 8x8 images, nothing to download) through a
 torchvision pipeline with a small random affine augmentation, split into 1,440 training and 357 test

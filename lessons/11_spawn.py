@@ -1,6 +1,8 @@
-"""python lessons/11_spawn.py --world-size 2 [--epochs 3 --batch-size 48 --dataset digits]
+"""python lessons/11_spawn.py --world-size 2
 
 Chapter 11, step 2 of 3: the same training as DDP, the processes started by torch.multiprocessing.spawn.
+
+Options: --epochs 3, --batch-size 48, --dataset digits (the defaults).
 
 The script starts --world-size processes itself: it reserves a free port on 127.0.0.1 (bound to
 port 0, so the kernel picks it) and hands it to every process, which joins with a tcp:// init

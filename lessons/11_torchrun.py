@@ -1,6 +1,8 @@
-"""torchrun --nproc_per_node=2 lessons/11_torchrun.py [--epochs 3 --batch-size 48 --dataset digits]
+"""torchrun --nproc_per_node=2 lessons/11_torchrun.py
 
 Chapter 11, step 3 of 3: the DDP script under torchrun, with mixed precision.
+
+Options: --epochs 3, --batch-size 48, --dataset digits (the defaults).
 
 Against 11_spawn.py: torchrun starts the processes and puts RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
 and MASTER_PORT in their environment, which lessonlib.setup reads (env://, with a short timeout), so
