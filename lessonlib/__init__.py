@@ -4,6 +4,8 @@
 - `setup` / `teardown` join and leave the process group a lesson runs in (chapter 1).
 - `report` hands values from a rank to the notebook that launched it (chapter 1).
 - `show_table` and `reserve_port` are small display and networking helpers (chapter 1).
+- `show_code` shows a marked region or a whole function of a lesson file as highlighted code, the
+  same in the book, in Jupyter and in VS Code (chapter 1).
 - `plot_ranks` draws what each rank holds, one row per rank (chapter 2).
 - `check_function` checks an exercise answer that must run on every rank (chapter 2).
 - `comma_list` is an argparse type for options like `--ops a,b,c` (chapter 2).
@@ -22,7 +24,7 @@ _WHERE = {
     "launch": "launcher", "LaunchError": "launcher", "RunResult": "launcher", "RankOutput": "launcher",
     "MAX_NPROC": "launcher", "MAX_NNODES": "launcher",
     "setup": "dist", "teardown": "dist", "DistContext": "dist", "report": "dist", "pick_backend": "dist",
-    "show_table": "display", "reserve_port": "ports",
+    "show_table": "display", "reserve_port": "ports", "show_code": "code",
     "plot_ranks": "plots", "check_function": "exercises", "comma_list": "cli",
 }
 

@@ -26,12 +26,10 @@ import lessonlib
 METHODS = ("env", "tcp", "file")
 
 
-# [start: agent_store]
 def agent_store(timeout):
     """A client of the store that torchrun's agent runs at MASTER_ADDR:MASTER_PORT (what env:// uses)."""
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=timeout)
-# [end: agent_store]
 
 
 # [start: init_url]

@@ -58,7 +58,6 @@ def check_env(ctx, env, everyone):
 # [end: check_env]
 
 
-# [start: all_reduce_rounds]
 def all_reduce_rounds(ctx, steps, fail_rank, stall_rank, stall_seconds):
     n = ctx.world_size
     for step in range(steps):
@@ -73,7 +72,6 @@ def all_reduce_rounds(ctx, steps, fail_rank, stall_rank, stall_seconds):
         expected = n * (n - 1) // 2 + n * step
         assert t.item() == expected, f"rank {ctx.rank} step {step}: all_reduce gave {t.item()}, expected {expected}"
         print(f"rank {ctx.rank}: step {step} all_reduce = {t.item()} (expected {expected})")
-# [end: all_reduce_rounds]
 
 
 def main():

@@ -35,7 +35,6 @@ def memory_is_private(ctx):
 # [end: memory_is_private]
 
 
-# [start: threads_share]
 def threads_share_memory():
     """Two threads append to one list: they share this process's memory."""
     box = []
@@ -46,7 +45,6 @@ def threads_share_memory():
         w.join(timeout=10)
     assert sorted(box) == ["thread A", "thread B"], f"threads did not share the list: {box}"
     return box
-# [end: threads_share]
 
 
 def count(n):
@@ -56,7 +54,6 @@ def count(n):
     return total
 
 
-# [start: gil]
 def gil_timing(n):
     """Seconds for count(n) twice in a row versus in two threads at once."""
     t0 = time.perf_counter()
@@ -71,7 +68,6 @@ def gil_timing(n):
         t.join(timeout=60)
     threaded = time.perf_counter() - t0
     return serial, threaded
-# [end: gil]
 
 
 def main():

@@ -72,13 +72,11 @@ def agreed(ctx, problem):
     return bool(ok.item())
 
 
-# [start: wrong]
 def broadcast_in_place(tensor_list, tensor):
     """Wrong: broadcast overwrites `tensor` on the receivers, so later rounds send rank 0's data."""
     for k in range(dist.get_world_size()):
         dist.broadcast(tensor, src=k)
         tensor_list[k].copy_(tensor)
-# [end: wrong]
 
 
 def main():

@@ -63,7 +63,6 @@ class Prober:
             self.group = None
 
 
-# [start: reduce_ops]
 def try_reduce_op(ctx, name, dtype, group):
     n, values = ctx.world_size, [r + 1 for r in range(ctx.world_size)]  # rank r holds r + 1
     x = torch.full((3,), ctx.rank + 1, dtype=dtype)
@@ -77,7 +76,6 @@ def try_reduce_op(ctx, name, dtype, group):
         if name in BITWISE:
             expected = functools.reduce(BITWISE[name], values)
     assert torch.all(x.double() == expected), f"rank {ctx.rank}: all_reduce {name} {dtype} gave {x.tolist()}"
-# [end: reduce_ops]
 
 
 def collective_calls(ctx):

@@ -61,7 +61,6 @@ def ring_all_reduce(x, snapshots=None):
 # [end: ring]
 
 
-# [start: not_a_ring]
 def whole_tensor_ring(x):
     """Pass the whole running sum around the ring: correct, but each rank sends (n-1) full tensors."""
     n, r = dist.get_world_size(), dist.get_rank()
@@ -91,7 +90,6 @@ def star(x):
         dist.recv(x, src=0)
         sent += x.numel()
     return sent
-# [end: not_a_ring]
 
 
 def expected_sent(length, n, r):

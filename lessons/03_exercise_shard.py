@@ -62,7 +62,6 @@ def agreed(ctx, problem):
     return bool(ok.item())
 
 
-# [start: wrong]
 def blocks(n, rank, world_size, seed, epoch, shuffle, drop_last):
     """Wrong: contiguous blocks of the (padded) order instead of every W-th index."""
     import math  # self-contained: the notebook sends this function alone to the checker
@@ -78,7 +77,6 @@ def no_padding(n, rank, world_size, seed, epoch, shuffle, drop_last):
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist() if shuffle \
         else list(range(n))
     return order[rank::world_size]
-# [end: wrong]
 
 
 def main():

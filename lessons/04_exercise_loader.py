@@ -135,14 +135,12 @@ def _reference_make_loader(dataset, batch_size, seed, rank, world_size):
                       generator=torch.Generator().manual_seed(seed + rank))
 
 
-# [start: wrong]
 def shared_seeds_make_loader(dataset, batch_size, seed, rank, world_size):
     """Wrong: worker k of every rank gets the same seeds, and the held Generator is copied as it is."""
     from torch.utils.data import DataLoader, DistributedSampler
 
     sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed)
     return DataLoader(dataset, batch_size, sampler=sampler, num_workers=2)
-# [end: wrong]
 
 
 def main():

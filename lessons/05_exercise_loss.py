@@ -65,16 +65,13 @@ def agreed(ctx, problem):
     return bool(ok.item())
 
 
-# [start: solution]
 def ddp_loss(pred, target):
     rows = torch.tensor([float(pred.shape[0])], dtype=pred.dtype)
     dist.all_reduce(rows)  # rows on all ranks
     # DDP will divide by the world size: multiply by it so that the sum over rows / all rows is left.
     return torch.nn.functional.mse_loss(pred, target, reduction="sum") * dist.get_world_size() / rows
-# [end: solution]
 
 
-# [start: wrong]
 def per_rank_mean(pred, target):
     """Wrong: every rank's mean counts the same, whatever its number of rows."""
     return torch.nn.functional.mse_loss(pred, target)
@@ -85,7 +82,6 @@ def sum_over_all_rows(pred, target):
     rows = torch.tensor([float(pred.shape[0])], dtype=pred.dtype)
     dist.all_reduce(rows)
     return torch.nn.functional.mse_loss(pred, target, reduction="sum") / rows
-# [end: wrong]
 
 
 def main():

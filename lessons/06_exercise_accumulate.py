@@ -70,7 +70,6 @@ def agreed(ctx, problem):
     return bool(ok.item())
 
 
-# [start: solution]
 def accumulate_step(ddp, opt, micro_batches):
     import contextlib  # self-contained: the notebook sends this function alone to the checker
     k = len(micro_batches)
@@ -79,10 +78,8 @@ def accumulate_step(ddp, opt, micro_batches):
         with ddp.no_sync() if i < k - 1 else contextlib.nullcontext():
             (torch.nn.functional.mse_loss(ddp(x), y) / k).backward()
     opt.step()
-# [end: solution]
 
 
-# [start: wrong]
 def no_scale(ddp, opt, micro_batches):
     import contextlib
     opt.zero_grad()
@@ -105,7 +102,6 @@ def all_in_no_sync(ddp, opt, micro_batches):
         for x, y in micro_batches:
             (torch.nn.functional.mse_loss(ddp(x), y) / len(micro_batches)).backward()
     opt.step()
-# [end: wrong]
 
 
 def main():

@@ -86,20 +86,16 @@ def check(model, log, layouts, cap_mb):
         assert all(b["bytes"] == sum(size[n] for n in b["params"]) for b in buckets), "a bucket's bytes"
         assert all(b["launch"] >= max(ready[n] for n in b["params"]) for b in buckets), "sent before it was full"
         assert it < 3 or [b["params"] for b in buckets] == [b["params"] for b in layouts[1]], "rebuilt again"
-        # [start: overlap]
         later = [t for n, t in ready.items() if n not in buckets[0]["params"]]  # gradients bucket 0 lacks
         if later:  # two or more buckets: bucket 0 is on the wire while backward still computes
             assert buckets[0]["launch"] < min(later) <= ready["fc0.weight"], f"iteration {it}: no overlap"
-        # [end: overlap]
     assert [b["params"] for b in layouts[0]] == [order], "iteration 1: one bucket, in model order"
-    # [start: rebuilt]
     ready_1 = [n for it, n, _ in log["ready"] if it == 1]
     rebuilt, cap = layouts[1], int(cap_mb * MIB)
     assert [n for b in rebuilt for n in b["params"]] == ready_1, "rebuilt in the order gradients arrived"
     assert rebuilt[0]["params"][0].startswith(order[-1].split(".")[0] + "."), "bucket 0 holds the last layer"
     assert all(b["bytes"] - size[b["params"][-1]] < cap for b in rebuilt), "open until its last tensor"
     assert all(b["bytes"] >= cap for b in rebuilt[:-1]), "closed only when full"
-    # [end: rebuilt]
 
 
 def timeline(log, buckets, span, it):

@@ -102,7 +102,6 @@ def agreed(ctx, problem):
     return bool(ok.item())
 
 
-# [start: solution]
 def global_batch_stats(x):
     """Mean and biased variance of each column over every rank's rows: all-reduce sums, never means."""
     totals = torch.stack([x.sum(0), (x * x).sum(0), torch.full_like(x[0], x.shape[0])])
@@ -110,10 +109,8 @@ def global_batch_stats(x):
     count = totals[2]
     mean = totals[0] / count
     return mean, totals[1] / count - mean * mean
-# [end: solution]
 
 
-# [start: wrong]
 def local_only(x):
     """Wrong: this rank's rows alone, what plain BatchNorm uses."""
     return x.mean(0), x.var(0, unbiased=False)
@@ -135,7 +132,6 @@ def mean_of_means(x):
     var = ((x - mean) ** 2).mean(0)
     dist.all_reduce(var)
     return mean, var / dist.get_world_size()
-# [end: wrong]
 
 
 def main():

@@ -101,9 +101,7 @@ def main():
     want = reference(everyone.requires_grad_())
     w = torch.linspace(-1, 2, everyone.numel(), **like).reshape(everyone.shape)  # fixed per row
     (want * w).sum().backward()  # the loss of the whole global batch
-    # [start: per_rank]
     local = batchnorm(f, weight, bias)(x)  # what each rank gets without SyncBatchNorm
-    # [end: per_rank]
     gap = (local - want[mine]).abs().max().item()
     assert gap > 0.1 if n > 1 else gap < TOL, f"rank {r}: per-rank BatchNorm is {gap:.3g} from the global one"
     lessonlib.report("per_rank_bn", {"rows": len(x), "local mean": x.mean(0)[0].item(),

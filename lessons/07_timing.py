@@ -76,7 +76,6 @@ def variant(name, cap, args, world_size):
     return ddp, lambda: None, calls  # DDP has averaged by the time backward() returns
 
 
-# [start: measure]
 def measure(net, sync, calls, batches, steps):
     """Median ms per step (the slowest rank's), all_reduce calls per step, and the weights after step 1."""
     opt, times = torch.optim.SGD(net.parameters(), lr=0.1), []
@@ -96,7 +95,6 @@ def measure(net, sync, calls, batches, steps):
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step is over when its slowest rank is done
     assert calls[0] % steps == 0, f"{calls[0]} all_reduce calls in {steps} steps: not the same every step"
     return slowest.median().item() * 1e3, calls[0] // steps, after_one
-# [end: measure]
 
 
 def main():
@@ -125,7 +123,6 @@ def main():
         rows.append({"variant": name, "bucket_cap_mb": cap, "all_reduces_per_step": per_step,
                      "median_ms": round(ms, 3)})
 
-    # [start: checks]
     want = weights["per-tensor", None]
     for (name, cap), got in weights.items():
         gap = (got - want).abs().max().item()
@@ -135,7 +132,6 @@ def main():
     assert counts["local", None] == 0 and counts["per-tensor", None] == tensors and counts["flat", None] == 1, counts
     swept = [counts["DDP", c] for c in caps]
     assert min(swept) >= 1 and swept == sorted(swept, reverse=True), f"buckets by cap {caps}: {swept}"
-    # [end: checks]
     if ctx.is_main:
         print(f"{n} rank(s), {args.layers} x Linear({args.width}, {args.width}) = {tensors} tensors, "
               f"batch {args.batch}, median of {args.steps} steps, slowest rank")

@@ -75,7 +75,6 @@ def agreed(ctx, problem):
     return bool(ok.item())
 
 
-# [start: solution]
 def amp_step(ddp, opt, scaler, x, y, max_norm):
     opt.zero_grad()
     with torch.autocast(x.device.type, dtype=torch.float16):  # forward and loss
@@ -85,7 +84,6 @@ def amp_step(ddp, opt, scaler, x, y, max_norm):
     torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)
     scaler.step(opt)  # skipped if the all-reduced gradients hold an inf or NaN
     scaler.update()
-# [end: solution]
 
 
 def backward_inside(ddp, opt, scaler, x, y, max_norm):
@@ -99,7 +97,6 @@ def backward_inside(ddp, opt, scaler, x, y, max_norm):
     scaler.update()
 
 
-# [start: wrong]
 def clip_before_unscale(ddp, opt, scaler, x, y, max_norm):
     opt.zero_grad()
     with torch.autocast(x.device.type, dtype=torch.float16):
@@ -140,7 +137,6 @@ def unscaled_backward(ddp, opt, scaler, x, y, max_norm):
     torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)
     scaler.step(opt)
     scaler.update()
-# [end: wrong]
 
 
 def main():

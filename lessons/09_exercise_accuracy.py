@@ -69,16 +69,13 @@ def agreed(ctx, problem):
     return bool(ok.item())
 
 
-# [start: solution]
 def global_accuracy(indices, correct):
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, list(zip(indices.tolist(), correct.tolist())))
     unique = dict(pair for share in everyone for pair in share)  # a duplicate has the same answer
     return sum(unique.values()) / len(unique)
-# [end: solution]
 
 
-# [start: wrong]
 def keeps_duplicates(indices, correct):
     totals = torch.tensor([correct.sum().item(), len(correct)], dtype=torch.float64)
     dist.all_reduce(totals)  # the padding counts twice
@@ -100,7 +97,6 @@ def dedupes_locally(indices, correct):
 
 def local_only(indices, correct):
     return correct.double().mean().item()
-# [end: wrong]
 
 
 def main():

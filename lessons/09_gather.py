@@ -82,14 +82,12 @@ def main():
     all_preds, labels = classifier(n)
     truth = (all_preds == labels).sum().item() / n  # one process, every item once
 
-    # [start: padded]
     sampler = DistributedSampler(range(n), shuffle=True, seed=0)  # pads: total_size >= n
     idx = torch.tensor(list(sampler), dtype=torch.long)
     preds = all_preds[idx]  # what the model says on this rank's share
     totals = torch.stack([(preds == labels[idx]).sum(), torch.tensor(len(idx))])
     dist.all_reduce(totals)
     padded_acc = totals[0].item() / totals[1].item()  # counts the duplicates twice
-    # [end: padded]
     # The same numbers without collectives, from the sampler's recipe (chapter 3).
     total = sampler.total_size
     order = torch.randperm(n, generator=torch.Generator().manual_seed(0))

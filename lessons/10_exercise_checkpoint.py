@@ -166,7 +166,6 @@ def verdict(fn, ctx, parent=None):
         return first_problem(problem, ctx)
 
 
-# [start: solution]
 def save_checkpoint(path, ddp, opt, epoch):
     import os
     import tempfile
@@ -184,7 +183,6 @@ def load_checkpoint(path, ddp, opt):
     ddp.module.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     return state["epoch"]
-# [end: solution]
 
 
 def saver(prefix=False, in_place=False, every_rank=False, barrier=True):

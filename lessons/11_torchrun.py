@@ -44,7 +44,6 @@ def get_logger(rank):
     return logger
 
 
-# [start: train_epoch]
 def train_epoch(model, loader, opt, scaler, amp_dtype, device, show_bar):
     """One pass over the loader; returns (sum of per-sample losses, number of samples)."""
     model.train()
@@ -62,7 +61,6 @@ def train_epoch(model, loader, opt, scaler, amp_dtype, device, show_bar):
         loss_sum += loss.detach() * len(y)  # a sum and a count, so uneven batches weigh right
         count += len(y)
     return loss_sum.item(), count
-# [end: train_epoch]
 
 
 @torch.no_grad()

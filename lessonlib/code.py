@@ -1,0 +1,97 @@
+"""Show a piece of a lesson file as code, in the book, in Jupyter and in VS Code alike (chapter 1).
+
+    lessonlib.show_code("lessons/02_point_to_point.py", "blocking")      # a marked region
+    lessonlib.show_code("lessons/01_launch.py", pyobject="main")         # a whole function or class
+
+A region is the lines between `# [start: NAME]` and `# [end: NAME]`, dedented. The lesson file is the
+only copy of the code: the chapters show it from there, never from a pasted copy.
+
+The result is displayed as a Markdown fenced code block. Each front end renders that as highlighted
+code: JupyterLab and VS Code with their own highlighters, and the book (MyST-NB turns a Markdown
+output into the same node a code block in the text becomes), with Pygments and a copy button like
+every other code block. Its plain-text form is the code itself.
+"""
+
+import ast
+import re
+import textwrap
+
+from .launcher import resolve_script
+
+MARKER = re.compile(r"^\s*# \[(start|end): ([\w.-]+)\]\s*$")
+
+
+class Code:
+    """Source code that displays as a highlighted block; `str(code)` is the code itself."""
+
+    def __init__(self, text, language="python"):
+        self.text, self.language = text, language
+
+    def _repr_markdown_(self):
+        fence = "```"
+        while fence in self.text:  # a fence the code cannot close early
+            fence += "`"
+        return f"{fence}{self.language}\n{self.text}\n{fence}\n"
+
+    def __str__(self):
+        return self.text
+
+    def __repr__(self):
+        return self.text
+
+
+def regions(source):
+    """{name: (first line, last line)} of every marked region (0-based, marker lines excluded)."""
+    found, open_at = {}, {}
+    for i, line in enumerate(source.splitlines()):
+        m = MARKER.match(line)
+        if not m:
+            continue
+        kind, name = m.groups()
+        if kind == "start":
+            open_at[name] = i + 1
+        elif name in open_at:
+            found[name] = (open_at.pop(name), i - 1)
+    return found
+
+
+def objects(source):
+    """{dotted name: (first line, last line)} of every function and class, decorators included (0-based)."""
+    found = {}
+
+    def walk(body, prefix):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
+                found[prefix + node.name] = (first, node.end_lineno - 1)
+                if isinstance(node, ast.ClassDef):
+                    walk(node.body, f"{prefix}{node.name}.")
+
+    walk(ast.parse(source).body, "")
+    return found
+
+
+def show_code(path, region=None, *, pyobject=None, language="python"):
+    """The marked `region` of the file at `path`, or the function/class `pyobject`, as a displayable Code.
+
+    `path` is found as `lessonlib.launch` finds a lesson: relative to the working folder, else to the
+    course root (notebooks run in book/). A missing file, region or object is an error that names the
+    file and lists what it has.
+    """
+    if (region is None) == (pyobject is None):
+        raise ValueError("show_code needs exactly one of: a region name (shown between '# [start: NAME]' "
+                         f"and '# [end: NAME]') or pyobject='function_or_class'; got region={region!r}, "
+                         f"pyobject={pyobject!r}")
+    file = resolve_script(path)
+    source = file.read_text()
+    lines = source.splitlines()
+    if region is not None:
+        spans, what, key = regions(source), "region", region
+    else:
+        spans, what, key = objects(source), "function or class", pyobject
+    if key not in spans:
+        have = ", ".join(sorted(spans)) or "none"
+        raise ValueError(f"{path} has no {what} {key!r}; it has: {have}")
+    first, last = spans[key]
+    body = [ln for ln in lines[first:last + 1] if not MARKER.match(ln)]
+    return Code(textwrap.dedent("\n".join(body)).strip("\n"), language)

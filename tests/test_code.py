@@ -1,0 +1,186 @@
+"""Lesson code in the chapters: lessonlib.show_code, the markers it reads, and the book's dependencies.
+
+The chapters show lesson code with `lessonlib.show_code(path, region)` (or `pyobject=`) in code cells
+whose input the book removes. These tests check every such call in the notebooks resolves, that every
+marked region in a lesson is shown by some chapter (an unshown marker is clutter in the lesson), that
+errors name the file and what it has, and, with a real two-pass `jupyter-book build` of a small book,
+that the code is highlighted like any code block and that editing a lesson re-executes the chapter
+that shows it.
+"""
+
+import ast
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import lessonlib
+from lessonlib.code import MARKER, Code, regions
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb"))
+LESSONS = sorted(ROOT.glob("lessons/[0-9][0-9]_*.py"))
+JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
+
+
+def show_code_calls():
+    """[(notebook name, path, region or None, pyobject or None)] for every show_code call in the chapters."""
+    calls = []
+    for nb in NOTEBOOKS:
+        for cell in json.loads(nb.read_text())["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            for node in ast.walk(ast.parse("".join(cell["source"]))):
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "show_code":
+                    args = [ast.literal_eval(a) for a in node.args]
+                    kw = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+                    calls.append((nb.name, args[0], args[1] if len(args) > 1 else None, kw.get("pyobject")))
+    return calls
+
+
+CALLS = show_code_calls()
+
+
+def test_the_chapters_show_code_with_show_code_not_literalinclude():
+    assert CALLS, "no chapter calls lessonlib.show_code"
+    stale = [nb.name for nb in NOTEBOOKS if "{literalinclude}" in nb.read_text()]
+    assert not stale, f"{stale}: a literalinclude directive shows as raw text in Jupyter; use lessonlib.show_code"
+
+
+def test_every_show_code_cell_hides_its_input_in_the_book():
+    bad = []
+    for nb in NOTEBOOKS:
+        for i, cell in enumerate(json.loads(nb.read_text())["cells"]):
+            if cell["cell_type"] == "code" and "show_code(" in "".join(cell["source"]):
+                tags = cell["metadata"].get("tags", [])
+                if not {"remove-input", "lesson-code"} <= set(tags):
+                    bad.append(f"{nb.name} cell {i}: tags {tags}")
+    assert not bad, "show_code cells need the tags remove-input and lesson-code:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("call", CALLS, ids=lambda c: f"{c[0]}:{Path(c[1]).name}:{c[2] or c[3]}")
+def test_every_show_code_call_in_the_chapters_resolves(call):
+    _, path, region, pyobject = call
+    code = lessonlib.show_code(path, region) if region else lessonlib.show_code(path, pyobject=pyobject)
+    text = str(code)
+    assert text.strip(), f"{path} {region or pyobject}: empty"
+    assert text == textwrap.dedent(text), f"{path} {region}: not dedented"
+    assert not any(MARKER.match(line) for line in text.splitlines()), f"{path} {region}: a marker line is shown"
+    ast.parse(text) if pyobject else None  # a whole function is valid Python on its own
+
+
+def test_every_marked_region_is_shown_by_a_chapter_and_markers_pair_up():
+    shown = {(Path(path).name, region) for _, path, region, _ in CALLS if region}
+    unused, unpaired = [], []
+    for lesson in LESSONS:
+        text = lesson.read_text()
+        starts = re.findall(r"# \[start: ([\w.-]+)\]", text)
+        ends = re.findall(r"# \[end: ([\w.-]+)\]", text)
+        if sorted(starts) != sorted(ends) or set(starts) != set(regions(text)):
+            unpaired.append(f"{lesson.name}: starts {starts}, ends {ends}")
+        unused += [f"{lesson.name}: {name}" for name in starts if (lesson.name, name) not in shown]
+    assert not unpaired, "markers must come in [start: x] ... [end: x] pairs:\n" + "\n".join(unpaired)
+    assert not unused, "marked regions no chapter shows (remove the markers):\n" + "\n".join(unused)
+
+
+def test_region_and_function_are_dedented_without_marker_lines(tmp_path):
+    lesson = tmp_path / "demo.py"
+    lesson.write_text(textwrap.dedent('''\
+        import torch
+
+
+        @torch.no_grad()
+        def step(x):
+            """Doubles."""
+            # [start: body]
+            y = x * 2
+            return y
+            # [end: body]
+
+
+        class Model:
+            def forward(self, x):
+                return x
+    '''))
+    assert str(lessonlib.show_code(lesson, "body")) == "y = x * 2\nreturn y"
+    func = str(lessonlib.show_code(lesson, pyobject="step"))
+    assert func.startswith("@torch.no_grad()\ndef step(x):") and func.endswith("return y")
+    assert "[start" not in func
+    assert str(lessonlib.show_code(lesson, pyobject="Model.forward")) == "def forward(self, x):\n    return x"
+    md = lessonlib.show_code(lesson, "body")._repr_markdown_()
+    assert md == "```python\ny = x * 2\nreturn y\n```\n"
+    assert Code("s = '```'")._repr_markdown_().startswith("````python\n")  # a fence the code cannot close
+
+
+def test_a_missing_file_region_or_function_is_a_clear_error(tmp_path):
+    lesson = tmp_path / "demo.py"
+    lesson.write_text("# [start: a]\nx = 1\n# [end: a]\n# [start: b]\ny = 2\n# [end: b]\n\n\ndef f():\n    pass\n")
+    with pytest.raises(FileNotFoundError, match=r"lessons/nope\.py.*not found"):
+        lessonlib.show_code("lessons/nope.py", "a")
+    with pytest.raises(ValueError, match=r"demo\.py has no region 'c'; it has: a, b"):
+        lessonlib.show_code(lesson, "c")
+    with pytest.raises(ValueError, match=r"demo\.py has no function or class 'g'; it has: f"):
+        lessonlib.show_code(lesson, pyobject="g")
+    with pytest.raises(ValueError, match="exactly one of"):
+        lessonlib.show_code(lesson)
+    with pytest.raises(ValueError, match="exactly one of"):
+        lessonlib.show_code(lesson, "a", pyobject="f")
+
+
+def _build(book, timeout=240):
+    """`jupyter-book build` without --all (an incremental build), in its own session, bounded."""
+    proc = subprocess.Popen([str(JUPYTER_BOOK), "build", str(book), "-W", "-n"], cwd=book.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"jupyter-book build did not finish in {timeout} s:\n{log[-4000:]}")
+    assert proc.returncode == 0, log[-4000:]
+    return log
+
+
+@pytest.mark.timeout(600)
+def test_the_book_highlights_shown_code_and_reexecutes_a_chapter_when_its_lesson_changes(tmp_path):
+    """A small book with the course's settings: one chapter shows a region of a lesson. After the lesson
+    is edited, an incremental build (no --all) executes the chapter again and shows the new code."""
+    config = (ROOT / "_config.yml").read_text()
+    assert "lessonlib.bookdeps" in config, "_config.yml no longer loads lessonlib.bookdeps"
+    (tmp_path / "_config.yml").write_text(textwrap.dedent("""\
+        title: demo
+        only_build_toc_files: true
+        execute: {execute_notebooks: force, timeout: 120, allow_errors: false, run_in_temp: false}
+        sphinx: {extra_extensions: [lessonlib.bookdeps], config: {nb_execution_raise_on_error: true}}
+    """))
+    book = tmp_path / "book"
+    (book / "lessons").mkdir(parents=True)
+    (book / "_toc.yml").write_text("format: jb-book\nroot: index\nchapters:\n  - file: chapter\n")
+    (book / "index.md").write_text("# index\n")
+    lesson = book / "lessons" / "demo.py"
+    lesson.write_text('def f():\n    # [start: shown]\n    value = "FIRST"\n    # [end: shown]\n    return value\n')
+    kernel = json.loads((ROOT / "book" / "01_launch.ipynb").read_text())["metadata"]["kernelspec"]
+    cells = [{"cell_type": "markdown", "id": "a", "metadata": {}, "source": "# chapter"},
+             {"cell_type": "code", "id": "b", "metadata": {"tags": ["remove-input", "lesson-code"]}, "outputs": [],
+              "execution_count": None, "source": 'import lessonlib\nlessonlib.show_code("lessons/demo.py", "shown")'}]
+    (book / "chapter.ipynb").write_text(json.dumps({"cells": cells, "metadata": {"kernelspec": kernel},
+                                                    "nbformat": 4, "nbformat_minor": 5}))
+    page = tmp_path / "_build" / "html" / "chapter.html"
+
+    _build(book)
+    html = page.read_text()
+    assert '<span class="n">value</span> <span class="o">=</span> <span class="s2">&quot;FIRST&quot;</span>' in html \
+        or '<span class="n">value</span> <span class="o">=</span> <span class="s2">"FIRST"</span>' in html, \
+        "the shown region is not a Pygments-highlighted code block:\n" + html[html.find("cell_output"):][:800]
+    assert "def f" not in html  # only the region, without the function around it
+
+    lesson.write_text(lesson.read_text().replace("FIRST", "SECOND"))
+    log = _build(book)
+    assert "chapter.ipynb: Executing" in log, "the edited lesson did not make the chapter execute again:\n" + log
+    assert "SECOND" in page.read_text() and "FIRST" not in page.read_text()
