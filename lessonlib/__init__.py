@@ -7,6 +7,8 @@
 - `show_code` shows a marked region or a whole function of a lesson file as highlighted code, the
   same in the book, in Jupyter and in VS Code (chapter 1).
 - `plot_ranks` draws what each rank holds, one row per rank (chapter 2).
+- `panel` is a run panel (ipywidgets): a lesson's ranks and options as controls, Run and Stop, each
+  rank's output live (chapter 2).
 - `check_function` checks an exercise answer that must run on every rank (chapter 2).
 - `comma_list` is an argparse type for options like `--ops a,b,c` (chapter 2).
 - `lessonlib.training` has the small deterministic model and data the DDP chapters compare against
@@ -25,7 +27,7 @@ _WHERE = {
     "MAX_NPROC": "launcher", "MAX_NNODES": "launcher",
     "setup": "dist", "teardown": "dist", "DistContext": "dist", "report": "dist", "pick_backend": "dist",
     "show_table": "display", "reserve_port": "ports", "show_code": "code",
-    "plot_ranks": "plots", "check_function": "exercises", "comma_list": "cli",
+    "plot_ranks": "plots", "panel": "runpanel", "RunPanel": "runpanel", "check_function": "exercises", "comma_list": "cli",
 }
 
 __all__ = list(_WHERE)

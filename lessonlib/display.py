@@ -72,14 +72,19 @@ class TextLiveView(NullView):
 class HtmlLiveView(NullView):
     live, interval = True, LIVE_EVERY
 
-    def __init__(self, script, args, nproc, nnodes):
-        from IPython.display import HTML, display
-        self.HTML = HTML
+    def __init__(self, script, args, nproc, nnodes, draw=None):
+        """`draw(html)` shows each state; by default one display output of the cell, updated in place
+        (the run panel passes a function that sets its widget's value instead)."""
         self.cmd = command_line(script, args, nproc, nnodes)
         self.recent = [deque(maxlen=LIVE_LINES) for _ in range(nproc * nnodes)]
         self.counts = [0] * (nproc * nnodes)
         self.changed, self.last_draw, self.elapsed = True, 0.0, 0.0
-        self.handle = display(HTML(self._live_html()), display_id=True)
+        if draw is None:
+            from IPython.display import HTML, display
+            handle = display(HTML(""), display_id=True)
+            draw = lambda text: handle.update(HTML(text))  # noqa: E731
+        self.draw = draw
+        self.draw(self._live_html())
 
     def lines(self, rank, stream, lines):
         self.recent[rank].extend((stream, line) for line in lines)
@@ -90,11 +95,11 @@ class HtmlLiveView(NullView):
         self.elapsed = elapsed
         now = time.monotonic()
         if self.changed and now - self.last_draw >= LIVE_EVERY:
-            self.handle.update(self.HTML(self._live_html()))
+            self.draw(self._live_html())
             self.changed, self.last_draw = False, now
 
     def finish(self, result):
-        self.handle.update(self.HTML(render_html(result)))
+        self.draw(render_html(result))
 
     def _live_html(self):
         cols = []

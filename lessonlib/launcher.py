@@ -379,14 +379,17 @@ def _torchrun_failures(text):
 # --------------------------------------------------------------------------- launch
 
 def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backend=None,
-           launcher="torchrun", rendezvous="c10d", show="auto", cwd=None):
+           launcher="torchrun", rendezvous="c10d", show="auto", cwd=None, stop=None):
     """Run `script` under torchrun with `nproc` ranks per node and return a RunResult.
 
     nnodes > 1 starts that many torchrun agents on this machine that meet through a rendezvous on
     127.0.0.1 (`rendezvous` 'c10d', the default, or 'static'), as separate machines would.
     `backend` forces the process-group backend that `lessonlib.setup()` picks (default: gloo on CPU,
     nccl with enough GPUs). `launcher='torch.distributed.launch'` uses the deprecated launcher.
-    `show`: 'auto' (live HTML in a notebook, prefixed text in a terminal), 'html', 'text' or 'none'.
+    `show`: 'auto' (live HTML in a notebook, prefixed text in a terminal), 'html', 'text' or 'none'
+    (or a view object, as the run panel passes: see lessonlib.display.NullView).
+    `stop`: a threading.Event; setting it (from another thread: the run panel's Stop button) ends the
+    run as an interrupt does, every process killed, and the result has `interrupted` set.
     Does not raise when the lesson fails: call `.raise_for_status()` for that.
     """
     # Check everything before starting anything.
@@ -405,8 +408,10 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
         show = "auto"
     elif show is False:
         show = "none"
-    if show not in SHOW:
+    if isinstance(show, str) and show not in SHOW or not isinstance(show, str) and not hasattr(show, "finish"):
         raise ValueError(f"show must be one of {', '.join(SHOW)} (or True/False); got {show!r}")
+    if stop is not None and not callable(getattr(stop, "is_set", None)):
+        raise ValueError(f"stop must be a threading.Event (or None); got {stop!r}")
     check_backend(backend, nproc)
     cwd = Path(cwd).resolve() if cwd is not None else ROOT
     if not cwd.is_dir():
@@ -423,7 +428,7 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
                  "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))]))}
     if backend:
         child_env["LESSONLIB_BACKEND"] = backend
-    view = make_view(show, shown, args, nproc, nnodes)
+    view = make_view(show, shown, args, nproc, nnodes) if isinstance(show, str) else show
 
     # Several agents must be told one rendezvous port in advance; a single --standalone agent picks its own.
     with reserve_port() if nnodes > 1 else contextlib.nullcontext() as port:
@@ -463,6 +468,10 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
                     break
                 if time.monotonic() > deadline:
                     timed_out = True
+                    _dump_stacks_then_kill(run_id, watch)
+                    break
+                if stop is not None and stop.is_set():
+                    interrupted = True
                     _dump_stacks_then_kill(run_id, watch)
                     break
                 # Returns as soon as the (first still running) agent exits, so the end is seen at once
