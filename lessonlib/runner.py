@@ -51,7 +51,8 @@ examples:
   python -m lessonlib run lessons/01_launch.py -n 1 -- --help  the lesson's own options
 
 exit status: 0 every rank exited 0; 1 a rank failed (the last lines on stderr name the first rank
-that failed and its error); {EXIT_TIMEOUT} timed out; {EXIT_INTERRUPTED} interrupted (Ctrl-C); 2 bad input (nothing started).
+that failed and its error); {EXIT_TIMEOUT} timed out; {EXIT_INTERRUPTED} interrupted (Ctrl-C); 2 bad input (nothing
+started).
 """
 
 
@@ -134,7 +135,8 @@ def list_lessons(out=None, root=ROOT):
             title, notebook = titles.get(number, (f"Chapter {number}", None))
             if not re.match(rf"{number}\.\s", title):
                 title = f"{number}. {title}"
-            out.write(("\n" if path != lessons[0] else "") + title + (f"  (book/{notebook})" if notebook else "") + "\n")
+            where = f"  (book/{notebook})" if notebook else ""
+            out.write(("\n" if path != lessons[0] else "") + title + where + "\n")
         try:
             command, summary = command_of(path), summary_of(path)
         except SyntaxError as e:
@@ -152,7 +154,7 @@ def _nproc(text):
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of ranks from 1 to {MAX_NPROC}, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a whole number of ranks, 1 to {MAX_NPROC}; got {text!r}") from None
     if not 1 <= n <= MAX_NPROC:
         raise argparse.ArgumentTypeError(
             f"must be from 1 to {MAX_NPROC} ranks (each rank is a whole Python process with torch loaded); got {n}")
@@ -221,8 +223,10 @@ def run_lesson(script, nproc=None, timeout=DEFAULT_TIMEOUT, args=(), columns=Fal
 def failure_line(result):
     """One line: what went wrong, naming the rank and its error."""
     cause = result.root_cause
-    first = (f"rank {cause.rank} failed first" + (f" with {cause.error}" if cause.error else f", exit code {cause.exitcode}")
-             if cause is not None else "")
+    first = ""
+    if cause is not None:
+        first = f"rank {cause.rank} failed first" + (f" with {cause.error}" if cause.error else
+                                                     f", exit code {cause.exitcode}")
     if result.timed_out:
         stuck = [r.rank for r in result.ranks if r.status == "hung"]
         line = f"{result.script} timed out after {result.timeout:g} s (--timeout)"

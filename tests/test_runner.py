@@ -1,0 +1,292 @@
+"""`python -m lessonlib run` and `python -m lessonlib list`, started as a reader starts them: a real
+subprocess, real torchrun, real lessons. Every run is bounded; a command that overruns is killed with
+every process it started (found by a marker in their environment), and the autouse fixture in
+conftest.py checks that no process of a launch outlived the test."""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+import lessonlib.launcher
+from lessonlib import runner
+from lessonlib.launcher import RankOutput
+
+ROOT = Path(__file__).resolve().parent.parent
+HANG = Path(__file__).resolve().parent / "helpers" / "hang.py"
+LESSONS = sorted(ROOT.glob("lessons/[0-9][0-9]_*.py"))
+MARK = "COURSE_TESTS_RUNNER_CLI"  # every process a runner test starts carries it, with a value of its own
+RUN_LIMIT = 120  # seconds for one runner command
+FAST = 20  # seconds: bad input is refused before anything starts (python start-up on a busy machine)
+
+
+def processes_with(name, value):
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(name) == value:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            pass
+    return found
+
+
+def kill_marked(value):
+    procs = processes_with(MARK, value)
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=10)
+
+
+def cli(*args, timeout=RUN_LIMIT, env=None):
+    """`python -m lessonlib ARGS` from the repository root, bounded: (exit code, stdout, stderr, seconds)."""
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "lessonlib", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {}), MARK: mark})
+    t0 = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        kill_marked(mark)
+        out, err = proc.communicate()
+        pytest.fail(f"python -m lessonlib {' '.join(args)} did not finish in {timeout} s:\n"
+                    f"{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        kill_marked(mark)
+    return proc.returncode, out, err, time.monotonic() - t0
+
+
+def shown(code, out, err):
+    return f"exit {code}\n--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}"
+
+
+# --------------------------------------------------------------------------- help, list, import cost
+
+def test_help_lists_the_subcommands():
+    code, out, err, _ = cli("--help", timeout=FAST * 3)
+    assert code == 0, shown(code, out, err)
+    assert re.search(r"^\s+run\s", out, re.M) and re.search(r"^\s+list\s", out, re.M), out
+
+
+def test_run_help_explains_itself_with_examples():
+    code, out, err, _ = cli("run", "--help", timeout=FAST * 3)
+    assert code == 0, shown(code, out, err)
+    for needed in ("-n N, --nproc N", "--timeout SECONDS", "--columns", "examples:",
+                   "python -m lessonlib run lessons/01_launch.py -- --fail-rank 1", "after `--`", "exit status"):
+        assert needed in out, f"run --help does not say {needed!r}:\n{out}"
+
+
+def test_list_and_help_do_not_import_torch():
+    code = ("import sys, io, contextlib\n"
+            "from lessonlib.runner import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "    assert main(['list']) == 0\n"
+            "    for argv in (['--help'], ['run', '--help'], []):\n"
+            "        try:\n"
+            "            main(argv)\n"
+            "        except SystemExit:\n"
+            "            pass\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'lessonlib.launcher'))\n"
+            "print(heavy)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=FAST * 3)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", f"list/--help imported: {proc.stdout}"
+    # The same seen from outside, as `python -X importtime -m lessonlib list` reports every import.
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "lessonlib", "list"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=FAST * 3)
+    assert proc.returncode == 0, proc.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "lessonlib.runner" in imported, proc.stderr[-2000:]
+    assert not {m for m in imported if m.split(".")[0] == "torch"}, "python -m lessonlib list imported torch"
+
+
+def test_list_shows_every_lesson_under_its_chapter():
+    code, out, err, _ = cli("list", timeout=FAST * 3)
+    assert code == 0, shown(code, out, err)
+    lines = out.splitlines()
+    headings = {}
+    for notebook in sorted(ROOT.glob("book/[0-9][0-9]_*.ipynb")):
+        cells = json.loads(notebook.read_text())["cells"]
+        first = next(re.search(r"^#\s+(.+?)\s*$", "".join(c["source"]), re.M)
+                     for c in cells if c["cell_type"] == "markdown" and re.search(r"^#\s", "".join(c["source"]), re.M))
+        title = first.group(1).replace("`", "")
+        matches = [i for i, line in enumerate(lines) if title in line and f"book/{notebook.name}" in line]
+        assert len(matches) == 1, f"chapter heading {title!r} ({notebook.name}) not listed once:\n{out}"
+        headings[int(notebook.name[:2])] = matches[0]
+    assert list(headings.values()) == sorted(headings.values()), "chapters are not in order"
+    for lesson in LESSONS:
+        command = runner.command_of(lesson)
+        assert command, f"{lesson.name} has no docstring command"
+        at = [i for i, line in enumerate(lines) if line.strip() == command]
+        assert len(at) == 1, f"{lesson.name}: its command {command!r} is not listed once:\n{out}"
+        chapter = int(lesson.name[:2])
+        if chapter in headings:  # listed below its own chapter's heading, before the next one's
+            later = [h for c, h in headings.items() if c > chapter]
+            assert headings[chapter] < at[0] < min(later, default=len(lines)), f"{lesson.name} under the wrong chapter"
+    assert f"{len(LESSONS)} lessons" in out
+
+
+def test_runner_bounds_match_the_launcher():
+    assert runner.MAX_NPROC == lessonlib.launcher.MAX_NPROC
+    assert runner.MAX_TIMEOUT == lessonlib.launcher.MAX_TIMEOUT
+
+
+def test_default_world_size_comes_from_the_docstring():
+    assert runner.check_script("lessons/02_collectives.py", None)[1] == 4
+    assert runner.check_script("lessons/01_launch.py", None)[1] == 2
+    assert runner.check_script("lessons/11_single.py", None)[1] == 1
+    assert runner.check_script(str(HANG), None)[1] == runner.DEFAULT_NPROC  # no command in its docstring
+    assert runner.check_script("lessons/02_collectives.py", 3)[1] == 3
+
+
+# --------------------------------------------------------------------------- bad input
+
+def _syntax_error(tmp_path):
+    bad = tmp_path / "broken.py"
+    bad.write_text('"""torchrun --nproc_per_node=2 broken.py"""\ndef main(:\n')
+    return [str(bad)]
+
+
+BAD = [
+    ("-n 0", lambda _: ["run", "lessons/01_launch.py", "-n", "0"], "-n/--nproc: must be from 1 to 16"),
+    ("-n 17", lambda _: ["run", "lessons/01_launch.py", "-n", "17"], "-n/--nproc: must be from 1 to 16"),
+    ("-n two", lambda _: ["run", "lessons/01_launch.py", "-n", "two"], "whole number of ranks, 1 to 16"),
+    ("negative timeout", lambda _: ["run", "lessons/01_launch.py", "--timeout", "-1"], "--timeout: must be a number"),
+    ("missing script", lambda _: ["run", "lessons/99_no_such.py"], "lessons/99_no_such.py: no such file"),
+    ("unknown option", lambda _: ["run", "lessons/01_launch.py", "--fail-rank", "1"],
+     "options for the lesson go after `--`, e.g. python -m lessonlib run lessons/01_launch.py -- --fail-rank 1"),
+    ("not python", lambda _: ["run", "README.md"], "README.md: not a lesson"),
+    ("syntax error", lambda tmp: ["run", *_syntax_error(tmp)], "not valid Python"),
+    ("spawn script", lambda _: ["run", "lessons/11_spawn.py"],
+     "run it as its docstring says: python lessons/11_spawn.py"),
+    ("one-process script", lambda _: ["run", "lessons/11_single.py", "-n", "2"], "-n must be 1"),
+    ("no subcommand", lambda _: [], "usage: python -m lessonlib"),
+]
+
+
+@pytest.mark.parametrize("make_args, message", [case[1:] for case in BAD], ids=[case[0] for case in BAD])
+def test_bad_input_is_refused_before_anything_starts(make_args, message, tmp_path):
+    code, out, err, seconds = cli(*make_args(tmp_path), timeout=FAST * 3)
+    assert code == 2, shown(code, out, err)
+    assert message in err, shown(code, out, err)
+    assert "Traceback" not in err, err
+    started = re.search(r"^\[(rank \d+|torchrun|lessonlib)\]", out + err, re.M)
+    assert not started, f"something started:\n{shown(code, out, err)}"
+    assert seconds < FAST, f"refusing bad input took {seconds:.1f} s"
+
+
+# --------------------------------------------------------------------------- real runs
+
+def test_run_shows_every_rank_live_and_exits_0():
+    code, out, err, _ = cli("run", "lessons/01_launch.py", "-n", "2")
+    assert code == 0, shown(code, out, err)
+    for rank in (0, 1):
+        assert re.search(rf"^\[rank {rank}\] rank {rank}: RANK={rank} ", out, re.M), shown(code, out, err)
+    assert re.search(r"^\[lessonlib\] ok: torchrun --nproc_per_node=2 lessons/01_launch.py", out, re.M), out
+
+
+def test_a_failing_rank_is_named_last_on_stderr():
+    code, out, err, _ = cli("run", "lessons/01_launch.py", "-n", "2", "--", "--fail-rank", "1")
+    assert code == 1, shown(code, out, err)
+    last = err.rstrip("\n").splitlines()[-1]
+    assert last.startswith("lessonlib run: lessons/01_launch.py failed on rank(s)"), shown(code, out, err)
+    assert "rank 1 failed first with RuntimeError: rank 1: failing on purpose" in last, last
+    assert "First failure (root cause): rank 1" in err and "--- rank 1 traceback ---" in err, err
+
+
+def test_columns_show_the_ranks_side_by_side_within_the_terminal_width():
+    code, out, err, _ = cli("run", "lessons/01_launch.py", "-n", "2", "--columns", env={"COLUMNS": "90"})
+    assert code == 0, shown(code, out, err)
+    lines = out.splitlines()
+    heads = [i for i, line in enumerate(lines) if re.match(r"rank 0 \(exit 0\)\s+\| rank 1 \(exit 0\)$", line)]
+    assert len(heads) == 1, f"no column heading for ranks 0 and 1:\n{out}"
+    table = lines[heads[0]:]
+    assert all(len(line) <= 90 for line in table), "\n".join(line for line in table if len(line) > 90)
+    assert any("rank 0: step 0 all_reduce = 1" in line and "rank 1: step 0 all_reduce = 1" in line
+               for line in table), out
+    assert re.search(r"^\[rank 1\] ", out, re.M), "the live lines lost their prefix"
+
+
+def test_columns_wrap_onto_rows_when_the_terminal_is_narrow():
+    ranks = [RankOutput(r, stdout=f"rank {r} says " + "x" * 50 + "\nbye\n", exitcode=0, status="ok") for r in range(4)]
+    text = runner.render_columns(SimpleNamespace(ranks=ranks), 60)
+    lines = text.splitlines()
+    assert all(len(line) <= 60 for line in lines), text
+    assert re.match(r"rank 0 \(exit 0\)\s+\| rank 1 \(exit 0\)$", lines[0]), text  # two columns a row
+    assert any(re.match(r"rank 2 \(exit 0\)\s+\| rank 3 \(exit 0\)$", line) for line in lines), text
+    joined = "".join(line.split(" | ")[0].rstrip() for line in lines[2:5])
+    assert ("rank 0 says " + "x" * 50).replace(" ", "") in joined.replace(" ", ""), text  # wrapped, not cut
+
+
+@pytest.fixture
+def hang_env(tmp_path):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    return {"TEST_TAG": uuid.uuid4().hex, "TEST_READY_DIR": str(ready)}, ready
+
+
+# Each rank says it is ready, then sleeps: a run that only the timeout ends. No torch in the ranks, so
+# they start at once; 40 s leaves torchrun's agent time to start them on a loaded 2-core machine.
+SLEEPER = '''"""Each rank says it is ready, then sleeps."""
+import os
+import time
+
+open(os.path.join(os.environ["TEST_READY_DIR"], f"rank{os.environ['RANK']}.ready"), "w").close()
+print(f"rank {os.environ['RANK']}: sleeping", flush=True)
+time.sleep(600)
+'''
+
+
+def test_a_timeout_says_so_and_leaves_no_process(hang_env, tmp_path):
+    env, ready = hang_env
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text(SLEEPER)
+    code, out, err, seconds = cli("run", str(sleeper), "-n", "2", "--timeout", "40", env=env)
+    assert code == runner.EXIT_TIMEOUT, shown(code, out, err)
+    assert sorted(os.listdir(ready)) == ["rank0.ready", "rank1.ready"], \
+        f"the run timed out before the ranks were sleeping: {os.listdir(ready)}"
+    last = err.rstrip("\n").splitlines()[-1]
+    assert "timed out after 40 s" in last and "rank(s) 0, 1 were still running" in last, shown(code, out, err)
+    assert re.search(r"--- rank 1 stack ---\n.*\n\s+File .*sleeper\.py", err), err  # where it was, from the launcher
+    assert seconds < 40 + 30, f"a 40 s timeout took {seconds:.0f} s"
+    assert processes_with("TEST_TAG", env["TEST_TAG"]) == []
+
+
+def test_ctrl_c_exits_130_without_a_traceback_and_leaves_no_process(hang_env):
+    env, ready = hang_env
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "lessonlib", "run", str(HANG), "-n", "2", "--timeout", "120"],
+                            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, **env, MARK: mark})
+    try:
+        deadline = time.monotonic() + 90
+        while not all((ready / f).exists() for f in ("rank0.ready", "rank1.ready", "grandchild.pid")):
+            assert proc.poll() is None, f"the runner ended early: exit {proc.returncode}"
+            assert time.monotonic() < deadline, f"the ranks were not stuck within 90 s: {os.listdir(ready)}"
+            time.sleep(0.2)
+        assert len(processes_with("TEST_TAG", env["TEST_TAG"])) >= 4  # torchrun, 2 ranks, a grandchild
+        os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends the runner (its ranks are in other sessions)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        kill_marked(mark)
+    assert proc.returncode == runner.EXIT_INTERRUPTED, shown(proc.returncode, out, err)
+    assert err.rstrip("\n").splitlines()[-1] == \
+        "lessonlib run: interrupted (Ctrl-C); every process of the run was stopped", err
+    assert "KeyboardInterrupt" not in err and 'File "' + runner.__file__ not in err, err
+    assert processes_with("TEST_TAG", env["TEST_TAG"]) == []
