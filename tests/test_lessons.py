@@ -21,19 +21,28 @@ lesson's first docstring line says how it starts: `torchrun --nproc_per_node=N l
 rule), `python lessons/X.py --world-size N` (a script that starts its own processes, with
 torch.multiprocessing.spawn: run as that command for each world size) or `python lessons/X.py` (a
 single-process script: run at world size 1 only).
+
+That first line is also what the README tells readers to paste, so test_docstring_command_runs runs
+it exactly as written (shlex.split; `torchrun` and `python` are the ones next to this interpreter; from
+the repository root): real torchrun, real imports, no fork server. It replaces the run of the same
+(lesson, world size) pair here, so the pair is not run twice, and it runs even where the book launches
+that pair, since the book goes through lessonlib.launch, not the pasted command.
 """
 
 import ast
-
+import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 import lessonlib
@@ -81,6 +90,12 @@ def kind_of(lesson):
     return "spawn" if "--world-size" in command else "single"
 
 
+def command_world_size(lesson):
+    """The world size the lesson's command runs it at: N of --nproc_per_node=N or --world-size N, else 1."""
+    m = re.search(r"--nproc_per_node=(\d+)|--world-size[= ](\d+)", command_of(lesson))
+    return int(m.group(1) or m.group(2)) if m else 1
+
+
 def test_lessons_are_found():
     assert LESSONS, f"no lessons matched {ROOT / 'lessons/[0-9][0-9]_*.py'}"
 
@@ -91,6 +106,65 @@ def test_docstring_starts_with_the_command_that_runs_it(lesson):
     assert re.match(rf"(torchrun --nproc_per_node=\d+ |python ){re.escape(path)}(\s|$)", command), (
         f"{path}: the docstring's first line must be the command that runs it, `torchrun "
         f"--nproc_per_node=N {path} ...` or `python {path} ...`; it is {command!r}")
+    assert not re.search(r"[\[\]<>|]", command), (
+        f"{path}: the docstring's first line must run as pasted into a shell; {command!r} has usage brackets "
+        "(list the options on an `Options:` line below the summary instead)")
+
+
+COMMAND_TEST = "test_docstring_command_runs"
+COMMAND_VAR = "COURSE_TESTS_COMMAND_RUN"  # marks every process of one command run, wherever it ends up
+PROGRAMS = {"python": sys.executable, "torchrun": str(Path(sys.executable).with_name("torchrun"))}
+
+
+def run_command(command):
+    """Run a shell command line as a reader pastes it at the repository root with .venv activated:
+    `python` and `torchrun` are the ones next to this interpreter. In a session of its own, bounded;
+    at the end every process that carries its marker is killed (torchrun puts its workers in sessions
+    of their own, so killing the command's process group alone would not reach them).
+
+    One thing differs from a reader's shell: torchrun without --standalone rendezvous on port 29500,
+    and pytest-xdist runs several commands at once, so PET_MASTER_PORT (torchrun reads any option from
+    PET_<OPTION>) gives each run a reserved free port instead. The command line stays as written."""
+    argv = shlex.split(command)
+    if argv[0] not in PROGRAMS:
+        pytest.fail(f"the command must start with {' or '.join(PROGRAMS)}: {command!r}")
+    argv[0] = PROGRAMS[argv[0]]
+    if not Path(argv[0]).is_file():
+        pytest.fail(f"{argv[0]} is missing: is torch installed in this environment ({sys.prefix})?")
+    marker = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    env[COMMAND_VAR] = marker
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # as activate does
+    timed_out = False
+    with lessonlib.reserve_port() as port:
+        env["PET_MASTER_PORT"] = str(port)
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            marked = [p for p in psutil.process_iter() if _carries(p, COMMAND_VAR, marker)]
+            for p in marked:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            psutil.wait_procs(marked, timeout=10)
+    if timed_out:
+        out, _ = proc.communicate()
+        pytest.fail(f"`{command}` did not finish in {TIMEOUT} s (killed, with every process it started):\n"
+                    f"{out[-5000:]}")
+    return proc.returncode, out
+
+
+def _carries(proc, name, value):
+    try:
+        return proc.environ().get(name) == value
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+        return False
 
 
 def run_plain(lesson, args=()):
@@ -170,9 +244,21 @@ def run_ranks(lesson, world_size, tmp_path):
     return [p.exitcode for p in procs], outputs
 
 
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
+def test_docstring_command_runs(lesson):
+    # What the README tells readers to paste, run as pasted: real torchrun (or python), no fork server.
+    # Run even where the book launches the same pair: the book goes through lessonlib.launch instead.
+    command = command_of(lesson)
+    code, out = run_command(command)
+    assert code == 0, f"`{command}` (the first line of {lesson.name}'s docstring) exited {code}:\n{out[-5000:]}"
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda n: f"np{n}")
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
 def test_lesson_runs(lesson, world_size, request, tmp_path):
+    if world_size == command_world_size(lesson) and any(
+            item.name == f"{COMMAND_TEST}[{lesson.stem}]" for item in request.session.items):
+        pytest.skip(f"{COMMAND_TEST} runs it at {world_size} rank(s), as its command: `{command_of(lesson)}`")
     # World size 1 here is plain `python lessons/X.py`, which a one-rank torchrun launch in the book is not.
     chapter = BOOK_RUNS.get((lesson.stem, world_size)) if world_size > 1 else None
     if chapter and any(item.name == BOOK_TEST for item in request.session.items):
