@@ -190,12 +190,32 @@ def test_bad_input_is_refused_before_anything_starts(make_args, message, tmp_pat
 
 # --------------------------------------------------------------------------- real runs
 
-def test_run_shows_every_rank_live_and_exits_0():
-    code, out, err, _ = cli("run", "lessons/01_launch.py", "-n", "2")
+@pytest.fixture(scope="module")
+def columns_run():
+    """One 2-rank run of chapter 1's lesson with --columns in a 90-character terminal, for the two tests
+    below (a torchrun launch costs some 8 CPU-seconds; CI's time is the budget)."""
+    return cli("run", "lessons/01_launch.py", "-n", "2", "--columns", env={"COLUMNS": "90"})
+
+
+def test_run_shows_every_rank_live_and_exits_0(columns_run):
+    code, out, err, _ = columns_run
     assert code == 0, shown(code, out, err)
     for rank in (0, 1):
         assert re.search(rf"^\[rank {rank}\] rank {rank}: RANK={rank} ", out, re.M), shown(code, out, err)
     assert re.search(r"^\[lessonlib\] ok: torchrun --nproc_per_node=2 lessons/01_launch.py", out, re.M), out
+
+
+def test_columns_show_the_ranks_side_by_side_within_the_terminal_width(columns_run):
+    code, out, err, _ = columns_run
+    assert code == 0, shown(code, out, err)
+    lines = out.splitlines()
+    heads = [i for i, line in enumerate(lines) if re.match(r"rank 0 \(exit 0\)\s+\| rank 1 \(exit 0\)$", line)]
+    assert len(heads) == 1, f"no column heading for ranks 0 and 1:\n{out}"
+    assert heads[0] > max(i for i, line in enumerate(lines) if line.startswith("[rank ")), "columns before the end"
+    table = lines[heads[0]:]
+    assert all(len(line) <= 90 for line in table), "\n".join(line for line in table if len(line) > 90)
+    assert any("rank 0: step 0 all_reduce = 1" in line and "rank 1: step 0 all_reduce = 1" in line
+               for line in table), out
 
 
 def test_a_failing_rank_is_named_last_on_stderr():
@@ -205,19 +225,6 @@ def test_a_failing_rank_is_named_last_on_stderr():
     assert last.startswith("lessonlib run: lessons/01_launch.py failed on rank(s)"), shown(code, out, err)
     assert "rank 1 failed first with RuntimeError: rank 1: failing on purpose" in last, last
     assert "First failure (root cause): rank 1" in err and "--- rank 1 traceback ---" in err, err
-
-
-def test_columns_show_the_ranks_side_by_side_within_the_terminal_width():
-    code, out, err, _ = cli("run", "lessons/01_launch.py", "-n", "2", "--columns", env={"COLUMNS": "90"})
-    assert code == 0, shown(code, out, err)
-    lines = out.splitlines()
-    heads = [i for i, line in enumerate(lines) if re.match(r"rank 0 \(exit 0\)\s+\| rank 1 \(exit 0\)$", line)]
-    assert len(heads) == 1, f"no column heading for ranks 0 and 1:\n{out}"
-    table = lines[heads[0]:]
-    assert all(len(line) <= 90 for line in table), "\n".join(line for line in table if len(line) > 90)
-    assert any("rank 0: step 0 all_reduce = 1" in line and "rank 1: step 0 all_reduce = 1" in line
-               for line in table), out
-    assert re.search(r"^\[rank 1\] ", out, re.M), "the live lines lost their prefix"
 
 
 def test_columns_wrap_onto_rows_when_the_terminal_is_narrow():
