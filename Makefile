@@ -33,11 +33,13 @@ book: $(STAMP)
 # waiting (on each other, on the short timeouts the pitfalls show), and the spare worker fills it. On
 # CI's 2 cores, sampled every 15 s, both were 190-200% busy but for the last two minutes. And
 # the book test (one long test, which itself executes two chapters at a time: BOOK_JOBS) runs beside the
-# lessons instead of after them. JOBS=1 runs the tests serially.
+# lessons instead of after them. The browser tests (tests/test_browser.py) open the pages that the book
+# test built: --dist loadgroup keeps the tests of xdist group "book" on one worker, one after the other,
+# so the book is executed and built once. JOBS=1 runs the tests serially.
 JOBS ?= $(shell n=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2); n=$$((n + 1)); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(JOBS) tests
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/launch_overhead.py

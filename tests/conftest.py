@@ -104,3 +104,12 @@ def no_leftover_processes():
 def leak_scan():
     """The scan the autouse fixture runs, for tests that check it (and the launcher) directly."""
     return stray_processes
+
+
+@pytest.fixture(scope="session")
+def built_book(tmp_path_factory):
+    """Every chapter executed and the HTML book built, once per session (tests/test_book.py,
+    `execute_and_build`): the book test reports the outcome, the browser tests open the pages."""
+    from test_book import execute_and_build  # tests/ is on sys.path, as for rankfork
+
+    return execute_and_build(tmp_path_factory.mktemp("book"))

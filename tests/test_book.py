@@ -3,6 +3,10 @@
 CI executes each notebook exactly once, with MyST-NB's own execution function and settings, several
 chapters at a time, and then builds the HTML book from those outputs (warnings are errors). When a
 cell fails, the test names the notebook, the cell and, through lessonlib's LaunchError, the rank.
+That work is done once per session by the fixture `built_book` (tests/conftest.py), which calls
+`execute_and_build` here: the book test reports its outcome, and the browser tests
+(tests/test_browser.py) open the pages it wrote. Both carry the xdist group "book", so that under
+`make test` (--dist loadgroup) they run in one worker, one after the other, and share one build.
 """
 
 import json
@@ -14,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -22,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
 BUILD_TIMEOUT = 1500  # seconds for the whole book; each cell also has execute.timeout in _config.yml
 CHAPTER_TIMEOUT = 900  # seconds for one chapter's execution
+BOOK_TEST_TIMEOUT = BUILD_TIMEOUT + 60  # the book test's bound, fixture included (pytest-timeout counts setup)
 EXECUTE = ROOT / "tests" / "helpers" / "execute_notebook.py"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -157,42 +163,75 @@ def describe_cell_failure(path, text):
     return f"{path.name}, {where} failed:\n{textwrap.indent(info['source'] or '', '    ')}\n" + "\n".join(lines[start:])
 
 
-@pytest.mark.timeout(BUILD_TIMEOUT + 60)
-def test_book_builds_and_executes_every_chapter(tmp_path, capsys):
-    """Every chapter executes without an error, then the book builds from those outputs (warnings as errors).
+@dataclass
+class BookBuild:
+    """What `execute_and_build` did: which chapters executed (and in how long), which failed, the build."""
+    notebooks: list
+    jobs: int
+    execution_seconds: float = 0.0
+    times: dict = field(default_factory=dict)  # {notebook: seconds}
+    failures: dict = field(default_factory=dict)  # {notebook: failure text}
+    returncode: int | None = None  # of `jupyter-book build`; None when it did not run (a chapter failed)
+    log: str = ""
+    html: Path | None = None  # the built book's _build/html
+
+    @property
+    def ok(self):
+        return not self.failures and self.returncode == 0
+
+
+def execute_and_build(folder):
+    """Execute every chapter, then build the HTML book from those outputs, under `folder`.
 
     This is `make book` in two halves, so that chapters can execute side by side (CI's time is the
     budget): each notebook is executed by the same function and settings as MyST-NB's (tests/helpers/
     execute_notebook.py), from book/, BOOK_JOBS at a time; then `jupyter-book build` runs on a copy of
     book/ holding the executed notebooks, with execution off, so every output is rendered as a reader
-    sees it. `make book` executes them one after another inside the build.
+    sees it. `make book` executes them one after another inside the build. When a chapter fails, the
+    book is not built; the result says what failed, and the book test turns that into its report.
     """
     notebooks = tracked_notebooks()
-    executed = tmp_path / "executed"
+    executed = folder / "executed"
     executed.mkdir()
     jobs = int(os.environ.get("BOOK_JOBS", min(2, os.cpu_count() or 1)))
+    build = BookBuild(notebooks, jobs)
     started = time.monotonic()
-    times, failures = execute_chapters(notebooks, executed, jobs, cell_timeout())
-    with capsys.disabled():
-        print(f"\nchapter execution, {jobs} at a time: {time.monotonic() - started:.0f} s")
-        for path, seconds in sorted(times.items()):
-            print(f"  {path.relative_to(ROOT)}: {seconds:.1f} s")
-    assert not failures, "\n\n".join(failures.values())
+    build.times, build.failures = execute_chapters(notebooks, executed, jobs, cell_timeout())
+    build.execution_seconds = time.monotonic() - started
+    if build.failures:
+        return build
 
     # The copy: book/ with the executed notebooks, next to links to the folders it includes code from.
-    site = tmp_path / "site"
+    site = folder / "site"
     shutil.copytree(ROOT / "book", site / "book", ignore=shutil.ignore_patterns("*.ipynb", ".ipynb_checkpoints"))
     for path in notebooks:
         shutil.copy(executed / path.name, site / "book" / path.name)
-    for folder in ("lessons", "lessonlib"):
-        (site / folder).symlink_to(ROOT / folder, target_is_directory=True)
+    for folder_name in ("lessons", "lessonlib"):
+        (site / folder_name).symlink_to(ROOT / folder_name, target_is_directory=True)
     config = (ROOT / "_config.yml").read_text()
     assert re.search(r"^\s*execute_notebooks: force\b", config, re.M), "_config.yml no longer forces execution"
     (site / "_config.yml").write_text(re.sub(r"(^\s*execute_notebooks:) force\b", r'\1 "off"', config, flags=re.M))
-    rc, log = build_book(site / "book")
-    assert rc == 0, explain_failure(log)
-    for path in notebooks:
-        page = site / "_build" / "html" / f"{path.stem}.html"
+    build.returncode, build.log = build_book(site / "book")
+    build.html = site / "_build" / "html"
+    return build
+
+
+@pytest.mark.xdist_group("book")
+@pytest.mark.timeout(BOOK_TEST_TIMEOUT)
+def test_book_builds_and_executes_every_chapter(built_book, capsys):
+    """Every chapter executes without an error, then the book builds from those outputs (warnings as errors).
+
+    The work is the session fixture's (`built_book`, see `execute_and_build`); this test reports it.
+    """
+    book = built_book
+    with capsys.disabled():
+        print(f"\nchapter execution, {book.jobs} at a time: {book.execution_seconds:.0f} s")
+        for path, seconds in sorted(book.times.items()):
+            print(f"  {path.relative_to(ROOT)}: {seconds:.1f} s")
+    assert not book.failures, "\n\n".join(book.failures.values())
+    assert book.returncode == 0, explain_failure(book.log)
+    for path in book.notebooks:
+        page = book.html / f"{path.stem}.html"
         assert page.exists(), f"{page} was not written"
         if "lessonlib.launch(" in path.read_text():
             assert "lessonlib-run" in page.read_text(), f"{page.name} shows no side-by-side rank output"

@@ -1,0 +1,595 @@
+"""The built book in a real browser, and a reader running a chapter in JupyterLab.
+
+The pages are the book test's: the session fixture `built_book` (tests/conftest.py) executes every
+chapter and builds the HTML once, and this module, run alone, builds it itself. A local HTTP server
+serves them on 127.0.0.1 and Debian's headless Chromium, driven by Playwright, visits every page once:
+no console error, no failed request and none to another host (the book depends on no CDN), every
+image loaded, every code block highlighted, every chapter that launches a lesson showing two ranks
+side by side, every embedded widget view rendered, and no critical accessibility violation (axe-core,
+which axe-playwright-python bundles). Then every internal link is followed, search is tried offline,
+and the reader's other path is walked for real: JupyterLab opens chapter 1 and runs it down to its
+first launch, whose ranks fill their panes.
+
+No browser is downloaded (never `playwright install`): without Debian's chromium these tests are
+skipped, with that reason. .ci/run installs it when it runs as root.
+"""
+
+import contextlib
+import functools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urldefrag
+
+import psutil
+import pytest
+from axe_playwright_python.sync_playwright import Axe
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
+from playwright.sync_api import sync_playwright
+
+from test_book import BOOK_TEST_TIMEOUT, tracked_notebooks
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium")
+# Playwright adds its own (--headless among them); these keep Chromium off the network and the GPU.
+# No host name resolves but the local server's address: a request to any other host fails at once
+# (each is also recorded, and fails the test), where intercepting every request would slow every page.
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"]
+SCREENSHOTS = ROOT / "_build" / "screenshots"
+SEARCH_WORD = "all_reduce"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_WAIT_MS = 15_000  # for the embedded widget manager to render a page's views
+LAB_TIMEOUT = 240  # seconds for JupyterLab to start, open chapter 1 and run it to its first launch
+
+# One worker, after the book test, sharing its build (make test: --dist loadgroup). The bound covers
+# the build too, for the test that happens to trigger it; every wait below has its own, shorter one.
+pytestmark = [pytest.mark.xdist_group("book"), pytest.mark.timeout(BOOK_TEST_TIMEOUT + 600)]
+
+
+# --------------------------------------------------------------------------- the server and the browser
+
+class QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):  # one line per request would drown a failure's output
+        pass
+
+
+@contextlib.contextmanager
+def serve(folder):
+    """`folder` over HTTP on 127.0.0.1 at a free port, in a thread; yields the base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(folder)))
+    thread = threading.Thread(target=server.serve_forever, name="book-server", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None:
+        pytest.skip("no chromium on PATH: the browser tests use Debian's (apt-get install chromium; "
+                    ".ci/run installs it when run as root) and never download one")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, timeout=60_000)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture(scope="module")
+def book_html(built_book):
+    if not built_book.ok:
+        pytest.fail("the book did not build, so there are no pages to open: "
+                    "test_book_builds_and_executes_every_chapter says why", pytrace=False)
+    return built_book.html
+
+
+@pytest.fixture(scope="module")
+def site(book_html):
+    with serve(book_html) as base:
+        yield base
+
+
+@dataclass
+class Traffic:
+    """What pages asked for and said: requests to other hosts, failed requests, console errors."""
+    base: str
+    foreign: list = field(default_factory=list)
+    failed: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+
+
+def open_context(browser, base):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(30_000)
+    return context, Traffic(base)
+
+
+def watch(page, traffic, label):
+    """Record `page`'s console errors, uncaught exceptions, failed requests and requests to other
+    hosts (which the browser cannot reach: CHROMIUM_FLAGS) under `label`."""
+    def console(msg):
+        if msg.type == "error":
+            where = msg.location.get("url", "") if msg.location else ""
+            traffic.errors.append(f"{label}: {msg.text}" + (f" ({where})" if where else ""))
+
+    def request(req):
+        if not req.url.startswith((traffic.base, "data:", "blob:", "about:")):
+            traffic.foreign.append(f"{label}: {req.url}")
+
+    page.on("console", console)
+    page.on("pageerror", lambda exc: traffic.errors.append(f"{label}: uncaught {exc}"))
+    page.on("request", request)
+    page.on("requestfailed", lambda req: req.url.startswith(traffic.base) and traffic.failed.append(
+        f"{label}: {req.url} ({req.failure})"))
+    page.on("response", lambda resp: resp.status >= 400 and traffic.failed.append(
+        f"{label}: {resp.url} (HTTP {resp.status})"))
+
+
+# --------------------------------------------------------------------------- what a page holds
+
+WAIT_FOR_IMAGES = """async () => {
+  const images = Array.from(document.images);
+  images.forEach(img => { if (img.loading === "lazy") img.loading = "eager"; });
+  const settled = Promise.all(images.map(img => img.decode().catch(() => null)));
+  await Promise.race([settled, new Promise(done => setTimeout(done, 10000))]);
+}"""
+
+# Everything the checks need from one page, in one round trip.
+PAGE_FACTS = r"""() => {
+  const shown = el => {
+    const box = el.getBoundingClientRect(), style = getComputedStyle(el);
+    return box.width > 0 && box.height > 0 && style.visibility !== "hidden";
+  };
+  const images = Array.from(document.images).map(img => ({
+    src: img.currentSrc || img.src, ok: img.complete && img.naturalWidth > 0}));
+  const links = Array.from(document.querySelectorAll("a[href]")).map(a => a.href);
+  const blocks = Array.from(document.querySelectorAll("div.highlight pre")).map(pre => {
+    const box = pre.closest('[class*="highlight-"]');
+    const language = box ? (box.className.match(/\bhighlight-(\S+)/) || [])[1] : null;
+    const tokens = Array.from(pre.querySelectorAll("span[class]"));
+    const plain = getComputedStyle(pre).color;
+    return {language, tokens: tokens.length, text: pre.textContent.trim().slice(0, 80),
+            coloured: tokens.some(t => getComputedStyle(t).color !== plain)};
+  });
+  const runs = Array.from(document.querySelectorAll(".lessonlib-run")).map(run => {
+    const grid = Array.from(run.children).find(c => getComputedStyle(c).display === "grid");
+    const columns = grid ? Array.from(grid.children).map(col => {
+      const pre = col.querySelector("pre"), box = col.getBoundingClientRect();
+      return {title: (col.querySelector("b") || {}).textContent || "", shown: shown(col),
+              lines: pre ? pre.innerText.split("\n").filter(line => line.trim()).length : 0,
+              left: box.left, top: box.top};
+    }) : [];
+    return {head: (run.firstElementChild || run).textContent.trim().slice(0, 120), columns};
+  });
+  return {title: document.title, images, links, blocks, runs};
+}"""
+
+# Each embedded widget view: html-manager renders it into the element right after its <script>.
+WIDGET_VIEWS = """(type) => Array.from(document.querySelectorAll(`script[type="${type}"]`)).map(script => {
+  let model = "?";
+  try { model = JSON.parse(script.textContent).model_id; } catch (e) {}
+  const next = script.nextElementSibling;
+  const rendered = !!next && /widget/.test(next.className) && (next.classList.contains("jupyter-widgets")
+      || next.querySelector('.jupyter-widgets, [class*="widget-"]') !== null);
+  return {model, rendered, after: next ? next.outerHTML.slice(0, 120) : "nothing"};
+})"""
+
+
+def widget_views(page, wait_ms=WIDGET_WAIT_MS):
+    """[{model, rendered, after}] for every embedded widget view on `page`, once they had time to render."""
+    if page.locator(f'script[type="{WIDGET_VIEW}"]').count() == 0:
+        return []
+    with contextlib.suppress(PlaywrightTimeout):  # the state below says which did not render
+        page.wait_for_function(f"(type) => ({WIDGET_VIEWS})(type).every(v => v.rendered)", arg=WIDGET_VIEW,
+                               timeout=wait_ms)
+    return page.evaluate(WIDGET_VIEWS, WIDGET_VIEW)
+
+
+@dataclass
+class Page:
+    name: str
+    facts: dict
+    widgets: list
+    axe: list  # axe-core violations
+
+
+def launch_chapters():
+    """Page names of the chapters whose notebook launches a lesson."""
+    return sorted(p.stem + ".html" for p in tracked_notebooks() if "lessonlib.launch(" in p.read_text())
+
+
+def book_pages(html):
+    """Every top-level page but index.html, which only redirects to the intro (checked on its own)."""
+    return sorted(p.name for p in html.glob("*.html") if p.name != "index.html")
+
+
+# axe-core's preload fetches every stylesheet again itself and resolves their @imports against the
+# page instead of the sheet (a request for /basic.css that 404s); the one rule that needs it,
+# css-orientation-lock, is not worth a failed request the book did not make.
+AXE_OPTIONS = {"resultTypes": ["violations"], "preload": False}
+
+
+@pytest.fixture(scope="module")
+def visit(book_html, site, browser):
+    """Every page visited once: ({name: Page}, the traffic of the whole visit)."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    context, traffic = open_context(browser, site)
+    axe, pages, seconds = Axe(), {}, {"load": 0.0, "axe": 0.0}
+    shots = {"intro.html", *launch_chapters()[:1]}
+    started = time.monotonic()
+    try:
+        page = context.new_page()
+        watch(page, traffic, "index.html")
+        page.goto(site + "index.html")
+        page.wait_for_url(site + "intro.html")  # index.html only redirects
+        page.close()
+        for name in book_pages(book_html):
+            t0 = time.monotonic()
+            page = context.new_page()
+            watch(page, traffic, name)
+            page.goto(site + name, wait_until="load")
+            page.evaluate(WAIT_FOR_IMAGES)
+            facts, widgets = page.evaluate(PAGE_FACTS), widget_views(page)
+            t1 = time.monotonic()
+            violations = axe.run(page, options=AXE_OPTIONS).response["violations"]
+            seconds["load"] += t1 - t0
+            seconds["axe"] += time.monotonic() - t1
+            pages[name] = Page(name, facts, widgets, violations)
+            if name in shots:
+                run = page.locator(".lessonlib-run").first
+                if run.count():
+                    run.scroll_into_view_if_needed()
+                page.screenshot(path=SCREENSHOTS / f"{Path(name).stem}.png")
+            page.close()
+    finally:
+        context.close()
+    print(f"\nbrowser: {len(pages)} pages in {time.monotonic() - started:.1f} s (loading and looking "
+          f"{seconds['load']:.1f} s, axe {seconds['axe']:.1f} s)")
+    return pages, traffic
+
+
+# --------------------------------------------------------------------------- the checks
+
+def test_pages_log_no_console_errors(visit):
+    _, traffic = visit
+    assert not traffic.errors, "console errors:\n" + "\n".join(traffic.errors)
+
+
+def test_pages_load_everything_from_the_local_server(visit):
+    pages, traffic = visit
+    assert not traffic.foreign, "requests to other hosts (the book must not need a CDN):\n" + "\n".join(
+        sorted(set(traffic.foreign)))
+    assert not traffic.failed, "failed requests:\n" + "\n".join(traffic.failed)
+    broken = [f"{p.name}: {img['src']}" for p in pages.values() for img in p.facts["images"] if not img["ok"]]
+    assert not broken, "images that did not load:\n" + "\n".join(broken)
+
+
+class _Ids(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.ids = set()
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.ids.update(v for k, v in attrs.items() if k == "id" or (tag == "a" and k == "name"))
+
+
+def test_internal_links_resolve(visit, site):
+    """Every local link of every page: each target fetched once, each #anchor present in it."""
+    pages, _ = visit
+    uses = {}
+    for page in pages.values():
+        for href in page.facts["links"]:
+            if href.startswith(site):
+                target, anchor = urldefrag(href)
+                uses.setdefault(target, []).append((anchor, page.name))
+    assert uses, "no internal links found"
+    problems = []
+    for target, linked in sorted(uses.items()):
+        try:
+            with urllib.request.urlopen(target, timeout=30) as response:
+                parser = _Ids()
+                parser.feed(response.read().decode("utf-8", "replace"))
+        except urllib.error.URLError as exc:
+            problems.append(f"{target} ({exc}), linked from {sorted({n for _, n in linked})}")
+            continue
+        for anchor, name in sorted(set(linked)):
+            if anchor and unquote(anchor) not in parser.ids:
+                problems.append(f"{name} links to {target}#{anchor}: no such id there")
+    assert not problems, "broken internal links:\n" + "\n".join(problems)
+
+
+PLAIN = {"none", "text", "myst-ansi", "default-text"}  # blocks that are text by intent: outputs, logs
+
+
+def test_code_blocks_are_highlighted(visit):
+    """Every code block carries Pygments' token spans, and the theme's colours reach them."""
+    pages, _ = visit
+    bare, colourless = [], []
+    for page in pages.values():
+        code = [b for b in page.facts["blocks"] if b["language"] not in PLAIN and b["text"]]
+        bare += [f"{page.name} ({b['language']}): {b['text']!r}" for b in code if not b["tokens"]]
+        if code and not any(b["coloured"] for b in code):
+            colourless.append(page.name)
+    assert not bare, "code blocks without highlighting:\n" + "\n".join(bare)
+    assert not colourless, f"pages whose code has token spans but no colours (pygments.css?): {colourless}"
+
+
+def test_every_launch_chapter_shows_two_ranks_side_by_side(visit):
+    pages, _ = visit
+    missing = []
+    for name in launch_chapters():
+        good = []
+        for run in pages[name].facts["runs"]:
+            shown = [c for c in run["columns"] if c["shown"] and c["lines"] and re.fullmatch(r"rank \d+", c["title"])]
+            side_by_side = len(shown) >= 2 and abs(shown[0]["top"] - shown[1]["top"]) < 2 and \
+                shown[1]["left"] > shown[0]["left"]
+            if side_by_side:
+                good.append(run)
+        if not good:
+            missing.append(f"{name}: {len(pages[name].facts['runs'])} lessonlib-run block(s), none with two "
+                           f"visible, non-empty rank columns side by side: {pages[name].facts['runs'][:2]}")
+    assert not missing, "\n".join(missing)
+
+
+def test_embedded_widget_views_render(visit):
+    pages, _ = visit
+    dead = [f"{p.name}: model {v['model']} (after its script: {v['after']})"
+            for p in pages.values() for v in p.widgets if not v["rendered"]]
+    assert not dead, "embedded widget views that did not render:\n" + "\n".join(dead)
+
+
+def test_widget_check_fails_on_a_view_that_does_not_render(browser, tmp_path):
+    """The check above on two made-up pages: one whose view the manager rendered, one whose it did not."""
+    view = f'<script type="{WIDGET_VIEW}">{{"version_major": 2, "version_minor": 0, "model_id": "m1"}}</script>'
+    (tmp_path / "rendered.html").write_text(
+        f'<!doctype html><title>t</title><body>{view}<div class="widget-subarea">'
+        f'<div class="lm-Widget jupyter-widgets widget-label">ranks: 2</div></div>')
+    (tmp_path / "dead.html").write_text(f"<!doctype html><title>t</title><body>{view}<p>no manager loaded</p>")
+    with serve(tmp_path) as base:
+        context, _ = open_context(browser, base)
+        try:
+            page = context.new_page()
+            page.goto(base + "rendered.html")
+            assert [(v["model"], v["rendered"]) for v in widget_views(page)] == [("m1", True)]
+            page.goto(base + "dead.html")
+            assert [(v["model"], v["rendered"]) for v in widget_views(page, wait_ms=1000)] == [("m1", False)]
+        finally:
+            context.close()
+
+
+def test_no_critical_accessibility_violations(visit):
+    """axe-core on every page: critical violations fail; serious ones are reported as warnings."""
+    pages, _ = visit
+    critical, serious = [], {}
+    for page in pages.values():
+        for v in page.axe:
+            where = f"{page.name}: {v['id']} ({v['help']}) at " + ", ".join(
+                " ".join(n["target"]) if isinstance(n["target"], list) else str(n["target"]) for n in v["nodes"][:5])
+            if v["impact"] == "critical":
+                critical.append(where)
+            elif v["impact"] == "serious":
+                serious.setdefault(v["id"], []).append(where)
+    for rule, found in serious.items():
+        warnings.warn(f"axe, serious (not failing): {rule} on {len(found)} page(s):\n" + "\n".join(found[:5]),
+                      stacklevel=1)
+    assert not critical, "critical accessibility violations:\n" + "\n".join(critical)
+
+
+def test_screenshots_were_written(visit):
+    for name in ["intro.html", *launch_chapters()[:1]]:
+        shot = SCREENSHOTS / f"{Path(name).stem}.png"
+        assert shot.exists() and shot.stat().st_size > 10_000, f"{shot} missing or blank"
+
+
+def test_search_works_offline(book_html, site, browser):
+    """Sphinx's search page, given a word the book uses, lists pages that contain it: no server, no CDN."""
+    holding = {p.name for p in book_html.glob("*.html") if SEARCH_WORD in p.read_text() and p.name != "search.html"}
+    assert holding, f"no page contains {SEARCH_WORD!r}: pick a word the book uses"
+    context, traffic = open_context(browser, site)
+    try:
+        page = context.new_page()
+        watch(page, traffic, "search.html")
+        page.goto(f"{site}search.html?q={SEARCH_WORD}")
+        page.wait_for_selector("#search-results ul.search li a", timeout=30_000)
+        found = {urldefrag(h)[0].removeprefix(site) for h in page.eval_on_selector_all(
+            "#search-results ul.search li a", "links => links.map(a => a.href)")}
+    finally:
+        context.close()
+    assert found & holding, f"search for {SEARCH_WORD!r} found {sorted(found)}, none of {sorted(holding)}"
+    assert not (traffic.errors or traffic.failed or traffic.foreign), traffic
+
+
+# --------------------------------------------------------------------------- a reader in JupyterLab
+
+LAB_SETTINGS = {
+    # Nothing the test runs may be saved into the chapter, which must stay without outputs.
+    "@jupyterlab/docmanager-extension/plugin": {"autosave": False},
+    # Every cell in the DOM, not only those scrolled into view.
+    "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+    # No news or update checks: nothing leaves the machine, no toast over the notebook.
+    "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+}
+
+# Every distinct state of every lessonlib-run block in the notebook, as the launcher redraws it.
+RECORD_RUNS = r"""() => {
+  window.__runs = [];
+  let last = "";
+  const snapshot = () => {
+    const runs = Array.from(document.querySelectorAll(".jp-Notebook .lessonlib-run")).map(run => {
+      const grid = Array.from(run.children).find(c => getComputedStyle(c).display === "grid");
+      return {head: (run.firstElementChild || run).textContent.trim(),
+              columns: grid ? Array.from(grid.children).map(col => ({
+                title: (col.querySelector("b") || {}).textContent || "",
+                lines: ((col.querySelector("pre") || {}).innerText || "").split("\n").filter(l => l.trim())})) : []};
+    });
+    const text = JSON.stringify(runs);
+    if (runs.length && text !== last) { window.__runs.push(runs); last = text; }
+  };
+  new MutationObserver(snapshot).observe(document.body, {childList: true, subtree: true, characterData: true});
+}"""
+
+
+def first_launch_cell(notebook):
+    cells = json.loads(notebook.read_text())["cells"]
+    return next(i for i, c in enumerate(cells)
+                if c["cell_type"] == "code" and "lessonlib.launch(" in "".join(c["source"]))
+
+
+def lab_processes(mark):
+    """Live processes that carry this Lab's marker in their environment: the server, its kernels, their launches."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get("COURSE_LAB_MARK") == mark:
+                found.append(proc)
+    return found
+
+
+@contextlib.contextmanager
+def jupyterlab(tmp):
+    """JupyterLab from .venv on 127.0.0.1, its config, data and runtime under `tmp` (nothing written to
+    the home folder), stopped at the end with every kernel and process it started.
+    Yields (url, token, its log file)."""
+    token, mark = uuid.uuid4().hex, uuid.uuid4().hex
+    for plugin, values in LAB_SETTINGS.items():
+        path = tmp / "settings" / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+    env = dict(os.environ, COURSE_LAB_MARK=mark, JUPYTER_CONFIG_DIR=str(tmp / "config"),
+               JUPYTER_DATA_DIR=str(tmp / "data"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
+               IPYTHONDIR=str(tmp / "ipython"), JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"))
+    cmd = [str(Path(sys.executable).with_name("jupyter-lab")), "--no-browser", "--ip=127.0.0.1",
+           "--ServerApp.port=0", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+           f"--ServerApp.root_dir={ROOT}"]
+    if os.geteuid() == 0:  # CI containers run as root; Jupyter refuses that unless told
+        cmd.append("--allow-root")
+    log = open(tmp / "lab.log", "w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = None
+    try:
+        deadline = time.monotonic() + 120
+        while url is None:
+            for info in (tmp / "runtime").glob(f"jpserver-{proc.pid}.json"):
+                with contextlib.suppress(ValueError):
+                    url = f"http://127.0.0.1:{json.loads(info.read_text())['port']}/"
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                pytest.fail(f"JupyterLab did not start (exit {proc.poll()}):\n{log.read()[-3000:]}")
+            time.sleep(0.2)
+        yield url, token, log
+    finally:
+        leftovers = stop_lab(proc, url, token, mark)
+        log.close()
+    assert not leftovers, "processes left behind by JupyterLab's shutdown (now killed):\n" + "\n".join(leftovers)
+
+
+def stop_lab(proc, url, token, mark):
+    """Shut the server down as a reader's Ctrl-C would (kernels first), then make sure: SIGTERM, SIGKILL.
+    Returns what was still alive after the polite shutdown (each is killed)."""
+    if url and proc.poll() is None:
+        with contextlib.suppress(OSError):
+            request = urllib.request.Request(url + "api/shutdown", method="POST",
+                                             headers={"Authorization": f"token {token}"})
+            urllib.request.urlopen(request, timeout=10).close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+    deadline, left = time.monotonic() + 10, lab_processes(mark)
+    while left and time.monotonic() < deadline:  # kernels that were told to stop, still stopping
+        time.sleep(0.2)
+        left = lab_processes(mark)
+    described = []
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            described.append(f"pid {p.pid}: {' '.join(p.cmdline())[:200]}")
+            p.kill()
+    psutil.wait_procs(left, timeout=5)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return described
+
+
+@pytest.mark.timeout(LAB_TIMEOUT + 120)
+def test_a_reader_runs_chapter_1_to_its_first_launch_in_jupyterlab(browser, tmp_path):
+    """The reader's path: chapter 1 opened in JupyterLab, its cells run from the top through the first
+    `lessonlib.launch(` cell with Shift+Enter, and each rank's pane seen filling with its lines, live,
+    then side by side. The chapter is the real one; nothing is saved (autosave off, file checked)."""
+    notebook = ROOT / "book" / "01_launch.ipynb"
+    launch = first_launch_cell(notebook)
+    before = notebook.read_bytes()
+    checkpoints_existed = (notebook.parent / ".ipynb_checkpoints").exists()
+    with jupyterlab(tmp_path) as (url, token, log):
+        # JupyterLab's own console errors and requests to other hosts (blocked) are not the course's
+        # doing and are not checked here; what the chapter shows is.
+        context, _ = open_context(browser, url)
+        context.set_default_timeout(LAB_TIMEOUT * 1000)
+        try:
+            page = context.new_page()
+            page.goto(f"{url}lab/tree/book/{notebook.name}?token={token}")
+            page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
+            kernel = page.locator(".jp-NotebookPanel-toolbar .jp-KernelName").first
+            page.wait_for_function("() => /dp-course/.test(document.querySelector("
+                                   "'.jp-NotebookPanel-toolbar .jp-KernelName')?.textContent || '')")
+            page.wait_for_selector('.jp-Notebook-ExecutionIndicator[data-status="idle"]')
+            page.evaluate(RECORD_RUNS)
+            page.locator(".jp-Notebook .jp-Cell").first.click()
+            page.keyboard.press("Escape")  # command mode: Shift+Enter runs a cell and selects the next
+            for _ in range(launch + 1):
+                page.keyboard.press("Shift+Enter")
+            try:  # the launch's view stops saying "running" when the run is over, however it ended
+                page.wait_for_function("() => window.__runs.some(runs => !/running/.test(runs[0].head))",
+                                       timeout=LAB_TIMEOUT * 1000)
+            except PlaywrightTimeout:
+                outputs = page.locator(".jp-Notebook .jp-OutputArea").all_inner_texts()
+                log.seek(0)
+                pytest.fail(f"no finished launch shown in {LAB_TIMEOUT} s; kernel: {kernel.inner_text()!r}; "
+                            f"outputs:\n{chr(10).join(outputs)[-3000:]}\nJupyterLab's log:\n{log.read()[-2000:]}")
+            states = [runs[0] for runs in page.evaluate("window.__runs")]
+            SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+            page.locator(".jp-Notebook .lessonlib-run").first.scroll_into_view_if_needed()
+            page.screenshot(path=SCREENSHOTS / "jupyterlab_01_launch.png")
+        finally:
+            context.close()  # closes the notebook without saving it
+    assert notebook.read_bytes() == before, f"{notebook} changed while JupyterLab had it open"
+    if not checkpoints_existed:
+        shutil.rmtree(notebook.parent / ".ipynb_checkpoints", ignore_errors=True)
+
+    live = [s for s in states if "running" in s["head"]]
+    final = states[-1]
+    assert re.match(r"^\W*ok:", final["head"]), f"the launch did not succeed: {final}"
+    ranks = [f"rank {r}" for r in range(len(final["columns"]))]
+    assert live, f"the live view never showed: {states[:3]}"
+    assert len(final["columns"]) >= 2 and [c["title"] for c in final["columns"]] == ranks, final
+    empty = [c["title"] for c in final["columns"] if not c["lines"]]
+    assert not empty, f"final view: empty panes {empty}: {final}"
+    filled_live = {c["title"] for s in live for c in s["columns"] if c["lines"]}
+    assert filled_live == set(ranks), f"the live view filled only {sorted(filled_live)} of {ranks}: {live[-1]}"
+    print(f"\nJupyterLab: {len(live)} live redraws, then {final['head']!r}")
