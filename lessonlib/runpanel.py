@@ -41,7 +41,7 @@ from pathlib import Path
 
 import ipywidgets as widgets
 
-from .display import HtmlLiveView, command_line, status_line
+from .display import HtmlLiveView, command_line
 from .launcher import ROOT, launch, resolve_script
 
 MAX_RANKS = 4  # each rank is a Python process with torch loaded; the panel is for a laptop
@@ -222,7 +222,7 @@ class RunPanel(widgets.VBox):
 
     def _message(self, text, bad=False):
         colour = "#b00020" if bad else "#1b1b1b"
-        self.status.value = f'<div style="color:{colour};font-size:12px">{html.escape(text)}</div>'
+        self.status.value = f'<div style="color:{colour};font-size:12px">{html.escape(text)}</div>' if text else ""
 
     def check(self):
         """The validated lesson options; on a bad setting, a message in the panel and ValueError."""
@@ -326,7 +326,7 @@ class RunPanel(widgets.VBox):
             self._message("stopped: every process of the run was killed; the columns show what each rank "
                           "printed until then", bad=True)
         else:
-            self._message(status_line(result), bad=not result.ok)
+            self._message("")  # the columns' own head says how the run ended
         if result.ok and self.plot is not None:
             self._draw_plot(result)
         return result
@@ -341,7 +341,7 @@ class RunPanel(widgets.VBox):
                 fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
                 plt.close(fig)
         except Exception as e:  # noqa: BLE001 - a broken picture should not hide the run
-            self._message(f"{status_line(result)}; the picture failed: {type(e).__name__}: {e}", bad=True)
+            self._message(f"the picture failed: {type(e).__name__}: {e}", bad=True)
             return
         self.figure.value = buffer.getvalue()
         self.figure.layout.display = None

@@ -7,7 +7,8 @@ trap 'rm -rf "$tmp"' EXIT
 cd "$tmp"
 npm pack --silent @jupyter-widgets/html-manager@1.0.15 requirejs@2.3.8 >/dev/null
 for f in *.tgz; do mkdir "${f%.tgz}" && tar xzf "$f" -C "${f%.tgz}"; done
-cp jupyter-widgets-html-manager-*/package/dist/embed-amd.js jupyter-widgets-html-manager-*/package/dist/*.woff2 "$here/"
+cp jupyter-widgets-html-manager-*/package/dist/embed-amd.js "$here/"
+cp jupyter-widgets-html-manager-*/package/dist/*.woff2 "$here/../@jupyter-widgets/"
 cp jupyter-widgets-html-manager-*/package/dist/embed.js.LICENSE.txt "$here/embed-amd.js.LICENSE.txt"
 cp requirejs-*/package/require.js "$here/"
 echo "vendored into $here"
