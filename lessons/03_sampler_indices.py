@@ -2,6 +2,9 @@
 
 Which samples DistributedSampler gives each rank, epoch by epoch, checked against its recipe.
 
+Options: --size 13, --epochs 2, --seed 0 (the defaults); --no-shuffle and/or --drop-last run only that
+sampler setting, for every epoch (default: shuffle=False, then each epoch shuffled, then drop_last=True).
+
 The recipe, for a dataset of n samples and W ranks:
   1. shuffle: torch.randperm(n) from a generator seeded with seed + epoch (identity if shuffle=False);
   2. make the length a multiple of W: wrap around and repeat the first indices (padding),
@@ -67,16 +70,26 @@ def main():
                         "divisible by none of 2, 3, 4)")
     parser.add_argument("--epochs", type=int, default=2, choices=range(1, 11), metavar="1..10")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-shuffle", action="store_true", help="run only shuffle=False, every epoch (without "
+                        "either flag, the tour: shuffle=False, the shuffled epochs, drop_last=True)")
+    parser.add_argument("--drop-last", action="store_true",
+                        help="run only drop_last=True, every epoch (with --no-shuffle: unshuffled and cut)")
     args = parser.parse_args()
     if args.size < 1:
         parser.error(f"--size must be at least 1, got {args.size}")
     ctx = lessonlib.setup()
     w = ctx.world_size
 
-    cases = [("shuffle=False", False, False, 0)]
-    cases += [(f"epoch {e}", True, False, e) for e in range(args.epochs)]
-    cases += [("drop_last=True", True, True, 0)]
-    orders = []
+    restricted = args.no_shuffle or args.drop_last
+    setting = ", ".join(name for name, on in [("shuffle=False", args.no_shuffle), ("drop_last=True", args.drop_last)]
+                        if on)
+    if restricted:  # one setting, every epoch: what changes from one epoch to the next?
+        cases = [(f"{setting}, epoch {e}", not args.no_shuffle, args.drop_last, e) for e in range(args.epochs)]
+    else:  # the tour: unshuffled, then shuffled epochs, then drop_last
+        cases = [("shuffle=False", False, False, 0)]
+        cases += [(f"epoch {e}", True, False, e) for e in range(args.epochs)]
+        cases += [("drop_last=True", True, True, 0)]
+    orders, joins = [], []
     for name, shuffle, drop_last, epoch in cases:
         mine = my_shard(args.size, ctx, args.seed, epoch, shuffle, drop_last)
         shards = [None] * w
@@ -84,6 +97,7 @@ def main():
         joined, padding = check(shards, args.size, args.seed, epoch, shuffle, drop_last)
         if shuffle and not drop_last:
             orders.append(joined)
+        joins.append(joined)
         # A position in the padded list at or beyond n holds a padding duplicate.
         is_padding = [j * w + ctx.rank >= args.size for j in range(len(mine))]
         lessonlib.report("shard", {"case": name, "indices": mine, "padding": is_padding,
@@ -93,6 +107,11 @@ def main():
     # A new epoch must bring a new order (set_epoch at work); with 8+ samples a repeat means a bug.
     if args.size >= 8 and len(orders) > 1:
         assert all(a != b for a, b in zip(orders, orders[1:])), "two consecutive epochs have the same order"
+    if args.no_shuffle:  # set_epoch changes nothing without shuffling
+        assert all(j == joins[0] for j in joins), "shuffle=False, yet the order changed from one epoch to another"
+    never_seen = sorted(set(range(args.size)).difference(*joins))
+    if args.no_shuffle and args.drop_last:  # the same tail is cut every epoch: those samples are never used
+        assert never_seen == list(range(args.size // w * w, args.size)), f"never seen: {never_seen}"
 
     # The edge cases the picture does not show: fewer samples than ranks (padding wraps more than
     # once), exactly W, and W + 1. Checked with the same recipe, not printed.
@@ -102,7 +121,12 @@ def main():
             shards = [None] * w
             dist.all_gather_object(shards, mine)
             check(shards, n, args.seed, 0, True, drop_last)
-    if ctx.is_main:
+    if ctx.is_main and restricted:
+        per_rank = args.size // w if args.drop_last else math.ceil(args.size / w)
+        pad, cut = (0, args.size - per_rank * w) if args.drop_last else (per_rank * w - args.size, 0)
+        print(f"n={args.size}, W={w}, {setting}: {per_rank} indices per rank, {pad} padding duplicate(s), "
+              f"{cut} sample(s) skipped per epoch; never seen in {args.epochs} epoch(s): {never_seen}")
+    elif ctx.is_main:
         pad = math.ceil(args.size / w) * w - args.size
         print(f"n={args.size}, W={w}: {math.ceil(args.size / w)} indices per rank, {pad} padding "
               f"duplicate(s) per epoch; recipe and coverage checked for n in 1, 2, W, W+1, 2W+1 too")

@@ -2,7 +2,8 @@
 
 Does autocast make this machine faster, and how much memory do the saved activations take?
 
-Options: --sizes 128x32,256x512, --runs 3, --cuda-size 4096x16384 (the defaults).
+Options: --sizes 128x32,256x512, --runs 3, --cuda-size 4096x16384, --dtype both (the defaults; --dtype
+bfloat16 or float16 measures that autocast dtype alone against float32).
 
 Memory: the tensors autograd saves for backward are recorded with saved_tensors_hooks during one
 forward of a 4-layer MLP (WIDTH x WIDTH linears with ReLU, BATCH rows), and sorted into activations,
@@ -87,27 +88,27 @@ def step_time(model, x, y, dtype, sync=lambda: None):
     return time.perf_counter() - start
 
 
-def median_times(width, batch, runs, device="cpu", sync=lambda: None):
+def median_times(width, batch, runs, device="cpu", sync=lambda: None, modes=MODES):
     """{mode: median ms per step}, the modes interleaved so that a change in load hits them all alike."""
     model = mlp(width, device)
     x, y = torch.randn(batch, width, device=device), torch.randn(batch, width, device=device)
     # One warm-up step per mode, which also sets how many steps make one sample of at least 20 ms.
-    reps = {mode: max(1, round(0.02 / step_time(model, x, y, dtype, sync))) for mode, dtype in MODES.items()}
-    times = {mode: [] for mode in MODES}
+    reps = {mode: max(1, round(0.02 / step_time(model, x, y, dtype, sync))) for mode, dtype in modes.items()}
+    times = {mode: [] for mode in modes}
     for _ in range(runs):
-        for mode, dtype in MODES.items():
+        for mode, dtype in modes.items():
             took = sum(step_time(model, x, y, dtype, sync) for _ in range(reps[mode]))
             times[mode].append(1e3 * took / reps[mode])
     return {mode: statistics.median(t) for mode, t in times.items()}
 # [end: timing]
 
 
-def memory(ctx, width, batch, device="cpu"):
+def memory(ctx, width, batch, device="cpu", modes=MODES):
     model = mlp(width, device)
     x, y = torch.randn(batch, width, device=device), torch.randn(batch, width, device=device)
-    saved = {mode: saved_tensors(model, x, y, dtype) for mode, dtype in MODES.items()}
+    saved = {mode: saved_tensors(model, x, y, dtype) for mode, dtype in modes.items()}
     full = [b for k, _, b in saved["float32"] if k == "activation"]
-    for mode in ("bfloat16", "float16"):
+    for mode in [m for m in modes if m != "float32"]:
         low = [b for k, dt, b in saved[mode] if k == "activation" and dt == MODES[mode]]
         wide = [b for k, dt, b in saved[mode] if k == "activation" and dt == torch.float32]
         # The layers' activations, in order, at half the bytes; then the loss's float32 input and target.
@@ -122,24 +123,27 @@ def main():
     parser.add_argument("--sizes", type=lessonlib.comma_list(size), default="128x32,256x512", help="WIDTHxBATCH,...")
     parser.add_argument("--runs", type=int, default=3, choices=range(1, 51), metavar="1..50")
     parser.add_argument("--cuda-size", type=size, default="4096x16384", help="WIDTHxBATCH on the GPU")
+    parser.add_argument("--dtype", default="both", choices=["both", "bfloat16", "float16"],
+                        help="the autocast dtype(s) measured against float32 (default: both)")
     args = parser.parse_args()
+    modes = {m: d for m, d in MODES.items() if m == "float32" or args.dtype in (m, "both")}
     ctx = lessonlib.setup(device="cpu")
 
     for width, batch in args.sizes:
-        mem = memory(ctx, width, batch)
+        mem = memory(ctx, width, batch, modes=modes)
         lessonlib.report("memory", {"device": "cpu", "width": width, "batch": batch, "bytes": mem})
     if ctx.is_main:
         lessonlib.report("cpu", {"flags": cpu_flags(), "capability": torch.backends.cpu.get_cpu_capability(),
                                  "threads": torch.get_num_threads()})
         for width, batch in args.sizes:
-            ms = median_times(width, batch, args.runs)
+            ms = median_times(width, batch, args.runs, modes=modes)
             lessonlib.report("time", {"device": "cpu", "width": width, "batch": batch, "ms": ms})
             print(f"cpu {width}x{batch}: " + ", ".join(f"{m} {t:.2f} ms" for m, t in ms.items()))
         if torch.cuda.is_available():
             device, (width, batch) = torch.device("cuda", ctx.local_rank), args.cuda_size
-            ms = median_times(width, batch, max(args.runs, 5), device, torch.cuda.synchronize)
+            ms = median_times(width, batch, max(args.runs, 5), device, torch.cuda.synchronize, modes)
             held, peak = {}, {}
-            for mode, dtype in MODES.items():  # bytes above the model and the batch
+            for mode, dtype in modes.items():  # bytes above the model and the batch
                 model, x = mlp(width, device), torch.randn(batch, width, device=device)
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -153,7 +157,7 @@ def main():
             lessonlib.report("time", {"device": "cuda", "width": width, "batch": batch, "ms": ms, "peak": peak,
                                       "held after forward": held, "gpu": torch.cuda.get_device_name(device)})
             print(f"cuda {width}x{batch}: " + ", ".join(f"{m} {ms[m]:.2f} ms, {held[m] / 2**20:.0f} MiB held after "
-                                                        f"forward, peak {peak[m] / 2**20:.0f} MiB" for m in MODES))
+                                                        f"forward, peak {peak[m] / 2**20:.0f} MiB" for m in modes))
         else:
             lessonlib.report("time", {"device": "cuda", "skipped": "no GPU on this machine"})
             print("cuda: skipped (no GPU on this machine)")
