@@ -233,6 +233,15 @@ class RunPanel(widgets.VBox):
                             f"with torch loaded); got {n}")
         for flag, spec in self.specs.items():
             value = self.options[flag].value
+            if spec["kind"] in ("int", "float") and isinstance(value, str):  # optional number: "" = not given
+                if not value.strip():
+                    continue
+                try:
+                    value = (int if spec["kind"] == "int" else float)(value.strip())
+                except ValueError:
+                    problems.append(f"{flag} must be a{'n integer' if spec['kind'] == 'int' else ' number'} "
+                                    f"(or empty for the lesson's default); got {value!r}")
+                    continue
             if spec["kind"] == "int" and "low" in spec and not spec["low"] <= value <= spec["high"]:
                 problems.append(f"{flag} must be from {spec['low']} to {spec['high']}; got {value}")
         args = self.settings()

@@ -173,15 +173,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--ops", type=lessonlib.comma_list(choices=OPS), default=",".join(OPS),
                         help=f"comma-separated subset of: {', '.join(OPS)}")
-    parser.add_argument("--numel", type=int, default=None, metavar="1..9",
+    # At most 9, so that the units digit stays the position: with 10 or more, rank 0's eleventh number
+    # would be 11, like rank 1's first.
+    parser.add_argument("--numel", type=int, default=None, choices=range(1, 10), metavar="1..9",
                         help="elements in each rank's tensor (default: the world size)")
     parser.add_argument("--absent-rank", type=int, default=-1, help="this rank never reaches the barriers")
     parser.add_argument("--pg-timeout", type=float, default=None, help="process-group timeout, seconds")
     args = parser.parse_args()
     ops = args.ops
-    if args.numel is not None and not 1 <= args.numel <= 9:
-        parser.error(f"--numel must be 1..9, got {args.numel}: the units digit of each number is its position "
-                     "(with 10 or more, rank 0's eleventh number would be 11, like rank 1's first)")
 
     ctx = lessonlib.setup(timeout=args.pg_timeout)
     n = ctx.world_size
