@@ -4,7 +4,7 @@ What gloo refuses (lessons/02_gloo_support.py), done another way, each result ch
 
   PREMUL_SUM(f)        scale locally, then SUM;
   AVG of integers      a float copy, SUM, divide by the size of the group that was summed over
-                       (the `reduce_mean` of one source note breaks on integer tensors);
+                       (the widely copied `reduce_mean` breaks on integer tensors);
   all_gather, sizes    share the lengths, pad to the longest, gather, trim.
 And the averaging mistake next to it: when ranks hold different numbers of samples, the mean of
 the per-rank means is not the mean over all samples. All-reduce the sum and the count instead.

@@ -1,8 +1,8 @@
 """torchrun --nproc_per_node=4 lessons/03_partitioner.py
 
-A hand-written data partitioner, as one source note has it, next to DistributedSampler.
+A hand-written data partitioner, as the original PyTorch distributed tutorial has it, next to DistributedSampler.
 
-The note's partitioner shuffles the indices once with a fixed seed, cuts them into W blocks of
+That partitioner shuffles the indices once with a fixed seed, cuts them into W blocks of
 int(n / W) samples, and gives block r to rank r; each rank's DataLoader then shuffles its block.
 Run for real, that recipe has three faults, each measured and asserted here:
   1. int() rounds down, so n % W samples are never used, and always the same ones;
@@ -25,7 +25,7 @@ import lessonlib
 
 # [start: note]
 class DataPartitioner:
-    """The source note's partitioner (its fractions made exact: sizes=[1/W] * W)."""
+    """That tutorial's partitioner (its fractions made exact: sizes=[1/W] * W)."""
 
     def __init__(self, n, sizes, seed=1234):
         indices = list(range(n))
@@ -65,7 +65,7 @@ def main():
     note = DataPartitioner(n, [1 / w] * w)
     note_sets, sampler_sets = [], []
     for epoch in range(args.epochs):
-        # The note's rank shuffles its fixed block in its own DataLoader (shuffle=True).
+        # The tutorial's rank shuffles its fixed block in its own DataLoader (shuffle=True).
         block = note.partitions[ctx.rank]
         seen = [i for b in DataLoader(block, batch_size=4, shuffle=True) for i in b.tolist()]
         note_sets.append(gather(ctx, sorted(seen)))
@@ -79,13 +79,13 @@ def main():
 
     unused = sorted(set(range(n)) - {i for shard in note_sets[0] for i in shard})
     assert len(unused) >= n % w, f"expected at least n % W = {n % w} unused samples, got {unused}"
-    assert all(sets == note_sets[0] for sets in note_sets), "the note's blocks changed between epochs"
+    assert all(sets == note_sets[0] for sets in note_sets), "the tutorial's blocks changed between epochs"
     moved = any(sets != sampler_sets[0] for sets in sampler_sets)
     if w > 1 and n >= 8:
         assert moved, "with set_epoch, DistributedSampler's shards should change between epochs"
 
     # [start: float_batch]
-    bsz = 128 / float(w)  # the note's per-rank batch size
+    bsz = 128 / float(w)  # the tutorial's per-rank batch size
     try:
         DataLoader(range(n), batch_size=bsz)
     except ValueError as e:

@@ -6,7 +6,7 @@ Options: --modes unseeded,same-seed,seed+rank,seed+rank+ddp (the default: all fo
 
 Every rank builds the model itself, from its own torch RNG. Without torch.manual_seed each process
 starts from a different random seed, so the models differ; the same seed on every rank makes them
-equal; seed + rank (what source notes recommend, so that augmentation differs per rank) makes them
+equal; seed + rank (what tutorials often recommend, so that augmentation differs per rank) makes them
 differ again. DistributedDataParallel fixes that at construction: it broadcasts rank 0's parameters
 and buffers into every rank's module, in place. Then a few SGD steps: with gradients averaged by
 hand, weights that started different stay different (SGD moves them all by the same step, so the gap

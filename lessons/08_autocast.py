@@ -7,7 +7,7 @@ float32 tensor, two losses) runs with no autocast, with CPU autocast in bfloat16
 CUDA autocast in float16 and bfloat16 where this rank has a GPU (else skipped, with the reason). The
 dtype of every result, of the parameters and of their gradients is checked against the table the
 chapter states: the two devices keep different lists of ops that stay in float32.
-Traps from a source note are run too: its torch.cuda.amp.autocast and torch.cuda.amp.GradScaler
+Traps that tutorials often fall into are run too: the torch.cuda.amp.autocast and torch.cuda.amp.GradScaler
 spellings warn that they are deprecated, CUDA autocast leaves CPU tensors alone, and without a GPU that
 GradScaler is silently disabled. And autocast's state belongs to one thread, and a nested
 autocast(enabled=False) switches it off.
@@ -82,7 +82,7 @@ def nested_off(dtype):
 
 
 def cuda_on_cpu_tensors():
-    """The source note's torch.cuda.amp.autocast(), applied to CPU tensors: (dtype, warning categories)."""
+    """The common torch.cuda.amp.autocast(), applied to CPU tensors: (dtype, warning categories)."""
     linear, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -92,7 +92,7 @@ def cuda_on_cpu_tensors():
 
 
 def old_scaler():
-    """The source note's torch.cuda.amp.GradScaler(): (enabled, warning categories)."""
+    """The common torch.cuda.amp.GradScaler(): (enabled, warning categories)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         scaler = torch.cuda.amp.GradScaler()

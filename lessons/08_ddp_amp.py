@@ -30,7 +30,7 @@ from lessonlib.training import flat_params, gather
 
 # [start: inside_forward]
 class Net(torch.nn.Module):
-    """A small MLP; autocast_inside=True puts autocast in forward, as one source note does."""
+    """A small MLP; autocast_inside=True puts autocast in forward, as many examples do."""
 
     def __init__(self, autocast_inside=False, upcast=True):
         super().__init__()
@@ -81,7 +81,7 @@ def placement(rank):
         loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in ddp.parameters()]))
     assert torch.equal(*grads), f"rank {rank}: autocast inside forward changed the gradients"
-    labels = y.argmax(1)  # the four outputs read as class logits, as in the source note's classifier
+    labels = y.argmax(1)  # the four outputs read as class logits, as in a typical classifier
     loss_dtype = F.cross_entropy(Net(autocast_inside=True, upcast=False)(x), labels).dtype
     assert loss_dtype == torch.float16, f"rank {rank}: cross-entropy on float16 logits ran in {loss_dtype}"
     return loss_dtype

@@ -39,7 +39,7 @@ def classifier_outputs(n, classes=4, seed=0):
 
 # [start: averages]
 def reduce_mean(tensor, nprocs):
-    """One source note's helper, as written: the sum over ranks divided by the number of ranks."""
+    """The widely copied reduce_mean helper, as written: the sum over ranks divided by the number of ranks."""
     rt = tensor.clone()
     dist.all_reduce(rt, op=dist.ReduceOp.SUM)
     rt /= nprocs

@@ -5,7 +5,7 @@ DistributedSampler's padding duplicates skew a metric; gathering (index, predict
 Options: --size 101 (the default).
 
 Every rank predicts with the same fixed random classifier on its DistributedSampler share (shuffle
-on, the default, as in one source note's test loader). The sampler pads to a multiple of W by
+on, the default, as many tutorials' test loaders have it). The sampler pads to a multiple of W by
 repeating the first indices of the epoch's order, so a few items are evaluated twice:
   (sum, count) over the padded shares    biased (asserted equal to the padded list's accuracy);
   drop padding by position               rank r's j-th item sits at position j*W + r of the padded

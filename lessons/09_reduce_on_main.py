@@ -8,7 +8,7 @@ Every rank counts its correct answers on its unpadded shard of a fixed classifie
   1. reduce(dst=0): rank 0 holds the totals; on the other ranks the buffer is not the result (gloo
      left a partial sum or the input there, chapter 2). Only rank 0 may use it.
   2. all_reduce: every rank holds the totals.
-  3. The pitfall, as one source note advises it: run the evaluation, which contains `reduce`, inside
+  3. The pitfall, as tutorials sometimes advise it: run the evaluation, which contains `reduce`, inside
      `if rank == 0:`. Rank 0 enters the collective and waits for ranks that never come. The lesson
      runs that call in a group of its own with a short timeout (--bug-timeout), so the wait becomes an
      error within seconds; rank 0 catches it and reports it. With one rank there is nobody to wait for.

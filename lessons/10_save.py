@@ -4,8 +4,8 @@ Writing a DDP checkpoint: which state dict, written how, and what torch.load acc
 
 Options: --dir DIR (where to make the checkpoint folder; default: a temporary one).
 
-1. Keys. ddp.state_dict() names every entry "module." + name. A file saved that way, as one source note
-   does, does not load into the bare model of a one-process script (the real error, from the file);
+1. Keys. ddp.state_dict() names every entry "module." + name. A file saved that way, as many tutorials
+   do, does not load into the bare model of a one-process script (the real error, from the file);
    ddp.module.state_dict() does, and an old file can have its prefix stripped.
 2. A crash in the middle of a save, for real, on rank 0, which holds the epoch-1 checkpoint and now
    writes epoch 2: a save that raises (a lambda in the state), and a process that the kernel kills once
@@ -87,7 +87,7 @@ def model():
 def keys(ddp, folder):
     path = os.path.join(folder, "ddp_state_dict.pt")
     # [start: keys]
-    torch.save({"model": ddp.state_dict()}, path)  # as one source note saves it: keys "module.0.weight", ...
+    torch.save({"model": ddp.state_dict()}, path)  # as many tutorials save it: keys "module.0.weight", ...
     plain = model()  # later, an evaluation script in one process, no DDP
     try:
         plain.load_state_dict(torch.load(path)["model"])

@@ -17,7 +17,7 @@ reduce_sums and the two divisions after it do. Each rank checks two cases agains
 The ranks agree on the verdict before anyone reports it.
 
 Without --solution the checker tests itself: the correct answer must pass, and four wrong ones must
-fail: the mean of means (one source note's reduce_mean), float32 totals, no reduction at all, and
+fail: the mean of means (the widely copied reduce_mean), float32 totals, no reduction at all, and
 dist.reduce to rank 0 (on the other ranks the buffer is not the totals, chapter 9). At world size 1
 the mean of means, no reduction and reduce-to-0 are right, so only float32 can be rejected there.
 """
