@@ -96,7 +96,7 @@ def main():
                                      "sampler_sets": [s[ctx.rank] for s in sampler_sets],
                                      "float_batch_error": error})
     if ctx.is_main:
-        print(f"note's partitioner: {len(unused)} sample(s) never used {unused}; every epoch rank 0 sees "
+        print(f"tutorial's partitioner: {len(unused)} sample(s) never used {unused}; every epoch rank 0 sees "
               f"{note_sets[0][0]}")
         print(f"DistributedSampler + set_epoch, rank 0, epoch by epoch: {[s[0][:6] for s in sampler_sets]}...")
         print(f"batch_size={bsz}: {error}")
