@@ -185,19 +185,27 @@ PAGE_FACTS = r"""() => {
   return {title: document.title, images, links, blocks, runs};
 }"""
 
-# Each embedded widget view: html-manager renders it into the element right after its <script>.
-WIDGET_VIEWS = """(type) => Array.from(document.querySelectorAll(`script[type="${type}"]`)).map(script => {
-  let model = "?";
-  try { model = JSON.parse(script.textContent).model_id; } catch (e) {}
-  const next = script.nextElementSibling;
-  const rendered = !!next && /widget/.test(next.className) && (next.classList.contains("jupyter-widgets")
-      || next.querySelector('.jupyter-widgets, [class*="widget-"]') !== null);
-  return {model, rendered, after: next ? next.outerHTML.slice(0, 120) : "nothing"};
-})"""
+# Each embedded widget view, and whether it rendered: html-manager puts the view in an element beside its
+# <script> (html-manager 8 just before it), so an element next to the script that holds a widget's DOM,
+# and that no other script has claimed, is that script's view.
+WIDGET_VIEWS = """(type) => {
+  const claimed = new Set();
+  const isView = el => !!el && !claimed.has(el) && /widget/.test(el.className) && (
+      el.classList.contains("jupyter-widgets") || el.querySelector('.jupyter-widgets, [class*="widget-"]') !== null);
+  return Array.from(document.querySelectorAll(`script[type="${type}"]`)).map(script => {
+    let model = "?";
+    try { model = JSON.parse(script.textContent).model_id; } catch (e) {}
+    const view = [script.previousElementSibling, script.nextElementSibling].find(isView);
+    if (view) claimed.add(view);
+    const beside = [script.previousElementSibling, script.nextElementSibling]
+        .map(el => el ? el.outerHTML.slice(0, 80) : "nothing").join(" | ");
+    return {model, rendered: !!view, beside};
+  });
+}"""
 
 
 def widget_views(page, wait_ms=WIDGET_WAIT_MS):
-    """[{model, rendered, after}] for every embedded widget view on `page`, once they had time to render."""
+    """[{model, rendered, beside}] for every embedded widget view on `page`, once they had time to render."""
     if page.locator(f'script[type="{WIDGET_VIEW}"]').count() == 0:
         return []
     with contextlib.suppress(PlaywrightTimeout):  # the state below says which did not render
@@ -355,28 +363,35 @@ def test_every_launch_chapter_shows_two_ranks_side_by_side(visit):
 
 def test_embedded_widget_views_render(visit):
     pages, _ = visit
-    dead = [f"{p.name}: model {v['model']} (after its script: {v['after']})"
+    dead = [f"{p.name}: model {v['model']} (beside its script: {v['beside']})"
             for p in pages.values() for v in p.widgets if not v["rendered"]]
     assert not dead, "embedded widget views that did not render:\n" + "\n".join(dead)
 
 
 def test_widget_check_fails_on_a_view_that_does_not_render(browser, tmp_path):
-    """The check above on two made-up pages: one whose view the manager rendered, one whose it did not."""
-    view = f'<script type="{WIDGET_VIEW}">{{"version_major": 2, "version_minor": 0, "model_id": "m1"}}</script>'
-    (tmp_path / "rendered.html").write_text(
-        f'<!doctype html><title>t</title><body>{view}<div class="widget-subarea">'
-        f'<div class="lm-Widget jupyter-widgets widget-label">ranks: 2</div></div>')
-    (tmp_path / "dead.html").write_text(f"<!doctype html><title>t</title><body>{view}<p>no manager loaded</p>")
+    """The check above on made-up pages: views rendered before and after their script pass, a view left
+    unrendered fails, and one rendered view does not count for two scripts."""
+    def view(model):
+        state = json.dumps({"version_major": 2, "version_minor": 0, "model_id": model})
+        return f'<script type="{WIDGET_VIEW}">{state}</script>'
+    rendered = '<div class="widget-subarea"><div class="lm-Widget jupyter-widgets widget-label">ranks: 2</div></div>'
+    pages = {"before.html": rendered + view("m1"), "after.html": view("m1") + rendered,
+             "dead.html": view("m1") + "<p>no manager loaded</p>",
+             "one_for_two.html": view("m1") + rendered + view("m2")}
+    for name, body in pages.items():
+        (tmp_path / name).write_text(f"<!doctype html><title>t</title><body><div>{body}</div>")
     with serve(tmp_path) as base:
         context, _ = open_context(browser, base)
         try:
             page = context.new_page()
-            page.goto(base + "rendered.html")
-            assert [(v["model"], v["rendered"]) for v in widget_views(page)] == [("m1", True)]
-            page.goto(base + "dead.html")
-            assert [(v["model"], v["rendered"]) for v in widget_views(page, wait_ms=1000)] == [("m1", False)]
+            seen = {}
+            for name in pages:
+                page.goto(base + name)
+                seen[name] = [(v["model"], v["rendered"]) for v in widget_views(page, wait_ms=1000)]
         finally:
             context.close()
+    assert seen == {"before.html": [("m1", True)], "after.html": [("m1", True)], "dead.html": [("m1", False)],
+                    "one_for_two.html": [("m1", True), ("m2", False)]}, seen
 
 
 def test_no_critical_accessibility_violations(visit):
