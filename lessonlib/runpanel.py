@@ -29,6 +29,7 @@ The options are read by running the lesson in a fresh process up to its parse_ar
 (lessonlib._argspec), once per lesson file version.
 """
 
+import base64
 import html
 import io
 import json
@@ -49,9 +50,12 @@ SPEC_TIMEOUT = 60  # seconds to read a lesson's options (it imports torch)
 _specs = {}  # (path, mtime) -> options
 
 
-def panel(script, nproc=2, args=None, *, timeout=300, plot=None):
-    """A RunPanel for `script` with `nproc` ranks; `args` set the lesson's controls (e.g. ['--steps', '5'])."""
-    return RunPanel(script, nproc=nproc, args=args, timeout=timeout, plot=plot)
+def panel(script, nproc=2, args=None, *, timeout=300, plot=None, plot_alt=None):
+    """A RunPanel for `script` with `nproc` ranks; `args` set the lesson's controls (e.g. ['--steps', '5']).
+
+    `plot(result)` returns a matplotlib figure drawn from each successful run; `plot_alt(result)` (or a
+    string) describes it for readers who cannot see it (the picture's alt text)."""
+    return RunPanel(script, nproc=nproc, args=args, timeout=timeout, plot=plot, plot_alt=plot_alt)
 
 
 def _run_argspec(mode, path, args=()):
@@ -114,10 +118,10 @@ class RunPanel(widgets.VBox):
     """See the module docstring. Attributes: nproc, options ({flag: control}), run_button, stop_button,
     command, status, output, figure, result."""
 
-    def __init__(self, script, nproc=2, args=None, timeout=300, plot=None):
+    def __init__(self, script, nproc=2, args=None, timeout=300, plot=None, plot_alt=None):
         self.path = resolve_script(script)
         self.script = str(self.path.relative_to(ROOT)) if self.path.is_relative_to(ROOT) else str(self.path)
-        self.timeout, self.plot = timeout, plot
+        self.timeout, self.plot, self.plot_alt = timeout, plot, plot_alt
         self.result, self.running = None, False
         self._stop = threading.Event()
         self._thread = None
@@ -135,7 +139,7 @@ class RunPanel(widgets.VBox):
         self.command = widgets.HTML()
         self.status = widgets.HTML()
         self.output = widgets.HTML(layout=widgets.Layout(width="100%"))
-        self.figure = widgets.Image(format="png", layout=widgets.Layout(display="none", max_width="100%"))
+        self.figure = widgets.HTML(layout=widgets.Layout(display="none"))  # an <img> with alt text
         self.run_button.on_click(lambda _: self._start_in_background())
         self.stop_button.on_click(lambda _: self._stop.set())
         for control in [self.nproc, *self.options.values()]:
@@ -352,5 +356,9 @@ class RunPanel(widgets.VBox):
         except Exception as e:  # noqa: BLE001 - a broken picture should not hide the run
             self._message(f"the picture failed: {type(e).__name__}: {e}", bad=True)
             return
-        self.figure.value = buffer.getvalue()
+        alt = self.plot_alt(result) if callable(self.plot_alt) else self.plot_alt
+        alt = alt or f"a picture drawn from the run of {command_line(self.script, result.args, result.nproc, 1)}"
+        data = base64.b64encode(buffer.getvalue()).decode()
+        self.figure.value = (f'<img src="data:image/png;base64,{data}" alt="{html.escape(alt, quote=True)}" '
+                             'style="max-width:100%">')
         self.figure.layout.display = None

@@ -92,6 +92,22 @@ def test_set_ranks_and_options_run_and_read_the_result(kernel):
 
 
 @pytest.mark.timeout(300)
+def test_plot_draws_a_picture_with_alt_text_from_each_run(kernel):
+    kernel.run("import matplotlib.pyplot as plt\n"
+               "def steps_figure(run):\n"
+               "    fig, ax = plt.subplots()\n"
+               "    ax.bar(range(run.world_size), [len(r.stdout.splitlines()) for r in run.ranks])\n"
+               "    return fig\n"
+               'v = lessonlib.panel("lessons/01_launch.py", nproc=2, plot=steps_figure, '
+               'plot_alt=lambda run: f"lines printed by each of {run.world_size} ranks")\n'
+               "v.run()")
+    figure = kernel.value("v.figure.value")
+    assert figure.startswith('<img src="data:image/png;base64,iVBOR') and 'alt="lines printed by each of 2 ranks"' in figure
+    assert kernel.value("v.figure.layout.display") is None  # shown
+    assert kernel.value("len(plt.get_fignums())") == 0  # closed after drawing: not shown a second time
+
+
+@pytest.mark.timeout(300)
 def test_options_come_from_the_lessons_parser(kernel):
     kernel.run('b = lessonlib.panel("lessons/07_buckets.py", nproc=2, args=["--steps", "4"])')
     kinds = kernel.value("{f: type(w).__name__ for f, w in b.options.items()}")
