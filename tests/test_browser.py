@@ -559,7 +559,7 @@ def stop_lab(proc, url, token, mark):
     return described
 
 
-@pytest.mark.timeout(LAB_TIMEOUT + 300)
+@pytest.mark.timeout(3 * LAB_TIMEOUT + 300)
 def test_a_reader_runs_chapter_1_to_its_first_launch_in_jupyterlab(browser, tmp_path):
     """The reader's path: chapter 1 opened in JupyterLab, its cells run from the top through the first
     `lessonlib.launch(` cell with Shift+Enter, and each rank's pane seen filling with its lines, live,
@@ -602,6 +602,7 @@ def test_a_reader_runs_chapter_1_to_its_first_launch_in_jupyterlab(browser, tmp_
             SCREENSHOTS.mkdir(parents=True, exist_ok=True)
             page.locator(".jp-Notebook .lessonlib-run").first.scroll_into_view_if_needed()
             page.screenshot(path=SCREENSHOTS / "jupyterlab_01_launch.png")
+            panel = run_a_panel_through_its_controls(page, log)
         finally:
             context.close()  # closes the notebook without saving it
     if not checkpoints_existed:
@@ -621,3 +622,57 @@ def test_a_reader_runs_chapter_1_to_its_first_launch_in_jupyterlab(browser, tmp_
     filled_live = {c["title"] for s in live for c in s["columns"] if c["lines"]}
     assert filled_live == set(ranks), f"the live view filled only {sorted(filled_live)} of {ranks}: {live[-1]}"
     print(f"\nJupyterLab: {len(live)} live redraws, then {final['head']!r}")
+    assert re.match(r"^\W*ok: torchrun --nproc_per_node=3 ", panel["head"]), panel
+    assert [c["title"] for c in panel["columns"]] == ["rank 0", "rank 1", "rank 2"], panel
+    assert all(c["lines"] for c in panel["columns"]), f"a panel column stayed empty: {panel}"
+    assert "stopped: every process of the run was killed" in panel["stopped"], panel
+    print(f"run panel: 3 ranks run from its controls, then a run stopped with its Stop button")
+
+
+PANEL_CELL = 'panel = lessonlib.panel("lessons/01_launch.py", nproc=2)\npanel'
+
+
+def run_a_panel_through_its_controls(page, log):
+    """In the open chapter, a new cell with a run panel; through its widgets: ranks set to 3, Run, the
+    three columns filled; then --stall-rank 1, Run, Stop. Returns what the page showed. (panel.result
+    is checked from a kernel in tests/test_panel.py.)"""
+    def type_cell(code):
+        page.keyboard.press("Escape")
+        page.keyboard.press("b")  # a new cell below, in command mode
+        page.keyboard.press("Enter")  # edit it
+        page.keyboard.insert_text(code)
+        page.keyboard.press("Shift+Enter")
+
+    page.locator(".jp-Notebook .jp-Cell").last.click()
+    type_cell(PANEL_CELL)
+    box = page.locator(".lessonlib-panel").last
+    box.wait_for()
+    ranks = box.locator(".widget-inline-hbox", has_text="ranks").locator("input")
+    ranks.fill("3")
+    ranks.press("Enter")
+    box.locator("button", has_text="Run").click()
+    try:  # the output widget's HTML is replaced at every redraw: look it up inside the panel each time
+        page.wait_for_function("(box) => { const h = box.querySelector('.lessonlib-run > div'); "
+                               "return h !== null && /^\\W*(ok|failed|timed out)/.test(h.textContent.trim()); }",
+                               arg=box.element_handle(), timeout=LAB_TIMEOUT * 1000)
+    except PlaywrightTimeout:
+        log.seek(0)
+        pytest.fail(f"the panel's run did not finish: {box.inner_text()[-2000:]}\nJupyterLab's log:\n"
+                    f"{log.read()[-2000:]}")
+    shown = page.evaluate("(run) => ({head: run.firstElementChild.textContent.trim(), columns: Array.from("
+                          "run.children[1].children).map(c => ({title: c.querySelector('b').textContent, "
+                          "lines: c.querySelector('pre').innerText.split('\\n').filter(l => l.trim())}))})",
+                          box.locator(".lessonlib-run").element_handle())
+    # A run that stalls, stopped with the Stop button while the kernel is idle.
+    stall = box.locator(".widget-inline-hbox", has_text="--stall-rank").locator("input")
+    stall.fill("1")
+    stall.press("Enter")
+    box.locator("button", has_text="Run").click()
+    page.wait_for_function("(el) => /busy for/.test(el.textContent)", arg=box.element_handle(),
+                           timeout=LAB_TIMEOUT * 1000)
+    box.locator("button", has_text="Stop").click()
+    page.wait_for_function("(el) => /stopped:/.test(el.textContent)", arg=box.element_handle(), timeout=60_000)
+    shown["stopped"] = box.inner_text()
+    page.locator(".lessonlib-panel").last.scroll_into_view_if_needed()
+    page.screenshot(path=SCREENSHOTS / "jupyterlab_run_panel.png")
+    return shown
