@@ -36,9 +36,14 @@ def _is_ours(proc, me):
         return False
 
 
+# Every process of a lesson's docstring command run as pasted (tests/test_lessons.py) carries this.
+COMMAND_VAR = "COURSE_TESTS_COMMAND_RUN"
+
+
 def _looks_like_launch(proc):
     try:
-        if RUN_ID_VAR in proc.environ():
+        environ = proc.environ()
+        if RUN_ID_VAR in environ or COMMAND_VAR in environ:
             return True
         cmdline = " ".join(proc.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):

@@ -47,6 +47,7 @@ import pytest
 
 import lessonlib
 import rankfork
+from conftest import COMMAND_VAR  # marks every process of one command run, wherever it ends up
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = sorted(ROOT.glob("lessons/[0-9][0-9]_*.py"))
@@ -56,6 +57,9 @@ BOOK_TEST = "test_book_builds_and_executes_every_chapter"
 # Only this exact shape counts: default arguments, and the run's success asserted on the spot.
 BOOK_LAUNCH = re.compile(r'lessonlib\.launch\(\s*"lessons/(\w+)\.py",\s*nproc=(\d+),\s*timeout=\d+,?\s*'
                          r'(?:show="\w+",?\s*)?\)\.raise_for_status\(\)')
+# A run panel made with no lesson options and run at once in the same cell is the same launch.
+BOOK_PANEL = re.compile(r'lessonlib\.panel\(\s*"lessons/(\w+)\.py",\s*nproc=(\d+)(?:,\s*timeout=\d+)?'
+                        r'(?:,\s*plot=\w+)?(?:,\s*plot_alt=\w+)?\)(?=[\s\S]*\bpanel\.run\(\)\.raise_for_status\(\))')
 
 
 def book_runs():
@@ -68,7 +72,8 @@ def book_runs():
             continue
         for cell in json.loads(notebook.read_text())["cells"]:
             if cell["cell_type"] == "code":
-                for lesson, n in BOOK_LAUNCH.findall("".join(cell["source"])):
+                source = "".join(cell["source"])
+                for lesson, n in BOOK_LAUNCH.findall(source) + BOOK_PANEL.findall(source):
                     runs.setdefault((lesson, int(n)), notebook.name)
     return runs
 
@@ -112,7 +117,6 @@ def test_docstring_starts_with_the_command_that_runs_it(lesson):
 
 
 COMMAND_TEST = "test_docstring_command_runs"
-COMMAND_VAR = "COURSE_TESTS_COMMAND_RUN"  # marks every process of one command run, wherever it ends up
 PROGRAMS = {"python": sys.executable, "torchrun": str(Path(sys.executable).with_name("torchrun"))}
 
 
@@ -245,10 +249,18 @@ def run_ranks(lesson, world_size, tmp_path):
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
-def test_docstring_command_runs(lesson):
+def test_docstring_command_runs(lesson, request):
     # What the README tells readers to paste, run as pasted: real torchrun (or python), no fork server.
-    # Run even where the book launches the same pair: the book goes through lessonlib.launch instead.
+    # Where the book, in the same session, launches the lesson at the command's world size with default
+    # options, that run (torchrun through lessonlib.launch) stands for it: a torchrun start costs some
+    # 8-12 CPU-seconds, and 40 of them would push CI past its budget. The command's form is checked for
+    # every lesson above, and this file run alone runs all of them.
     command = command_of(lesson)
+    chapter = BOOK_RUNS.get((lesson.stem, command_world_size(lesson)))
+    if chapter and command.startswith("torchrun ") and len(shlex.split(command)) == 3 and any(
+            item.name == BOOK_TEST for item in request.session.items):
+        pytest.skip(f"the book build runs it: {chapter} launches {lesson.name} at {command_world_size(lesson)} "
+                    f"ranks under torchrun with default options, as `{command}` does")
     code, out = run_command(command)
     assert code == 0, f"`{command}` (the first line of {lesson.name}'s docstring) exited {code}:\n{out[-5000:]}"
 
