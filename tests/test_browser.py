@@ -676,3 +676,16 @@ def run_a_panel_through_its_controls(page, log):
     page.locator(".lessonlib-panel").last.scroll_into_view_if_needed()
     page.screenshot(path=SCREENSHOTS / "jupyterlab_run_panel.png")
     return shown
+
+
+def test_every_chapter_offers_its_notebook_for_download(book_html):
+    """The theme's download button links each chapter's page to its notebook, and the file is there."""
+    missing = []
+    for notebook in tracked_notebooks():
+        page = (book_html / f"{notebook.stem}.html").read_text()
+        source = book_html / "_sources" / notebook.name
+        if f'href="_sources/{notebook.name}"' not in page or not source.exists():
+            missing.append(notebook.name)
+        else:
+            assert json.loads(source.read_text())["cells"], f"{source} holds no cells"
+    assert not missing, f"chapters without a notebook to download: {missing}"
