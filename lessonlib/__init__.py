@@ -4,6 +4,8 @@
 - `setup` / `teardown` join and leave the process group a lesson runs in (chapter 1).
 - `report` hands values from a rank to the notebook that launched it (chapter 1).
 - `show_table` and `reserve_port` are small display and networking helpers (chapter 1).
+- `python -m lessonlib run lessons/X.py -n N` and `python -m lessonlib list` run and list lessons
+  from a terminal (lessonlib.runner, chapter 1).
 - `show_code` shows a marked region or a whole function of a lesson file as highlighted code, the
   same in the book, in Jupyter and in VS Code (chapter 1).
 - `plot_ranks` draws what each rank holds, one row per rank (chapter 2).

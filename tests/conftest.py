@@ -74,6 +74,18 @@ def _describe(proc):
         return f"pid {proc.pid} (gone while being described)"
 
 
+def processes_with_env(name, value):
+    """Live (non-zombie) processes whose environment has name=value, wherever they sit in the tree."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(name) == value:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            pass
+    return found
+
+
 def kill_processes(procs):
     for proc in procs:
         try:

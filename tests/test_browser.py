@@ -41,6 +41,7 @@ from axe_playwright_python.sync_playwright import Axe
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
+from conftest import processes_with_env
 from test_book import BOOK_TEST_TIMEOUT, tracked_notebooks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -481,12 +482,7 @@ def first_launch_cell(notebook):
 
 def lab_processes(mark):
     """Live processes that carry this Lab's marker in their environment: the server, its kernels, their launches."""
-    found = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, OSError):
-            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get("COURSE_LAB_MARK") == mark:
-                found.append(proc)
-    return found
+    return processes_with_env("COURSE_LAB_MARK", mark)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 import lessonlib
+from conftest import processes_with_env
 from lessonlib.launcher import RUN_ID_VAR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,18 +41,6 @@ def marker_line(path, marker):
 
 def expected_lines(rank, stream, n):
     return [f"rank {rank} {stream} {i}" for i in range(n)]
-
-
-def processes_with_env(name, value):
-    """Live, non-zombie processes whose environment has name=value."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(name) == value:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            pass
-    return found
 
 
 def alive_with_env(pids, name, value):

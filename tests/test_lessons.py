@@ -42,12 +42,11 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 import lessonlib
 import rankfork
-from conftest import COMMAND_VAR  # marks every process of one command run, wherever it ends up
+from conftest import COMMAND_VAR, kill_processes, processes_with_env
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = sorted(ROOT.glob("lessons/[0-9][0-9]_*.py"))
@@ -152,23 +151,12 @@ def run_command(command):
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-            marked = [p for p in psutil.process_iter() if _carries(p, COMMAND_VAR, marker)]
-            for p in marked:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    p.kill()
-            psutil.wait_procs(marked, timeout=10)
+            kill_processes(processes_with_env(COMMAND_VAR, marker))
     if timed_out:
         out, _ = proc.communicate()
         pytest.fail(f"`{command}` did not finish in {TIMEOUT} s (killed, with every process it started):\n"
                     f"{out[-5000:]}")
     return proc.returncode, out
-
-
-def _carries(proc, name, value):
-    try:
-        return proc.environ().get(name) == value
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-        return False
 
 
 def run_plain(lesson, args=()):

@@ -3,7 +3,6 @@ subprocess, real torchrun, real lessons. Every run is bounded; a command that ov
 every process it started (found by a marker in their environment), and the autouse fixture in
 conftest.py checks that no process of a launch outlived the test."""
 
-import contextlib
 import json
 import os
 import re
@@ -15,11 +14,11 @@ import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
-import psutil
 import pytest
 
 import lessonlib.launcher
 from lessonlib import runner
+from conftest import kill_processes, processes_with_env
 from lessonlib.launcher import RankOutput
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,23 +29,8 @@ RUN_LIMIT = 120  # seconds for one runner command
 FAST = 20  # seconds: bad input is refused before anything starts (python start-up on a busy machine)
 
 
-def processes_with(name, value):
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(name) == value:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            pass
-    return found
-
-
 def kill_marked(value):
-    procs = processes_with(MARK, value)
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(procs, timeout=10)
+    kill_processes(processes_with_env(MARK, value))
 
 
 def cli(*args, timeout=RUN_LIMIT, env=None):
@@ -269,7 +253,7 @@ def test_a_timeout_says_so_and_leaves_no_process(hang_env, tmp_path):
     assert "timed out after 40 s" in last and "rank(s) 0, 1 were still running" in last, shown(code, out, err)
     assert re.search(r"--- rank 1 stack ---\n.*\n\s+File .*sleeper\.py", err), err  # where it was, from the launcher
     assert seconds < 40 + 30, f"a 40 s timeout took {seconds:.0f} s"
-    assert processes_with("TEST_TAG", env["TEST_TAG"]) == []
+    assert processes_with_env("TEST_TAG", env["TEST_TAG"]) == []
 
 
 def test_ctrl_c_exits_130_without_a_traceback_and_leaves_no_process(hang_env):
@@ -284,7 +268,7 @@ def test_ctrl_c_exits_130_without_a_traceback_and_leaves_no_process(hang_env):
             assert proc.poll() is None, f"the runner ended early: exit {proc.returncode}"
             assert time.monotonic() < deadline, f"the ranks were not stuck within 90 s: {os.listdir(ready)}"
             time.sleep(0.2)
-        assert len(processes_with("TEST_TAG", env["TEST_TAG"])) >= 4  # torchrun, 2 ranks, a grandchild
+        assert len(processes_with_env("TEST_TAG", env["TEST_TAG"])) >= 4  # torchrun, 2 ranks, a grandchild
         os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends the runner (its ranks are in other sessions)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -296,4 +280,4 @@ def test_ctrl_c_exits_130_without_a_traceback_and_leaves_no_process(hang_env):
     assert err.rstrip("\n").splitlines()[-1] == \
         "lessonlib run: interrupted (Ctrl-C); every process of the run was stopped", err
     assert "KeyboardInterrupt" not in err and 'File "' + runner.__file__ not in err, err
-    assert processes_with("TEST_TAG", env["TEST_TAG"]) == []
+    assert processes_with_env("TEST_TAG", env["TEST_TAG"]) == []
