@@ -22,9 +22,11 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python (dp-course .venv)" >/dev/null
 	touch $(STAMP)
 
-# JupyterLab on 127.0.0.1 (it prints the URL with its token), opened on the chapters.
+# JupyterLab on 127.0.0.1 (it prints the URL with its token), opened on the chapters. As root (a
+# container), Jupyter refuses to start without --allow-root.
 lab: $(STAMP)
-	$(BIN)/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir=. --FileContentsManager.preferred_dir=book
+	$(BIN)/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir=. --FileContentsManager.preferred_dir=book \
+		$(if $(filter 0,$(shell id -u)),--allow-root)
 
 book: $(STAMP)
 	$(BIN)/jupyter-book build book -W -n --keep-going
