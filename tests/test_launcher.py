@@ -148,7 +148,7 @@ def test_failing_rank_is_named_as_root_cause():
     assert caught.value.result is run
 
 
-HANG_TIMEOUT = 20
+HANG_TIMEOUT = 40  # the 3 ranks must be up and stuck before it strikes: 20 s was not enough at load 8
 
 
 @pytest.fixture(scope="module")
