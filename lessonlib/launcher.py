@@ -442,6 +442,8 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
                 # lessonlib._agent_main is torch.distributed.run (or .launch) that dies with this process.
                 cmd = [sys.executable, "-m", "lessonlib._agent_main", *(["--legacy"] if launcher != "torchrun" else []),
                        f"--nproc-per-node={nproc}", "--local-addr=127.0.0.1"]
+                if launcher == "torchrun":  # its log folder, else a torchelastic_* folder in /tmp per run, never removed
+                    cmd += [f"--log-dir={run_dir / f'torchrun{node}'}"]
                 if nnodes == 1:
                     cmd += ["--standalone"]
                 elif rendezvous == "c10d":

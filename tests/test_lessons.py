@@ -119,7 +119,7 @@ COMMAND_TEST = "test_docstring_command_runs"
 PROGRAMS = {"python": sys.executable, "torchrun": str(Path(sys.executable).with_name("torchrun"))}
 
 
-def run_command(command):
+def run_command(command, tmp_path):
     """Run a shell command line as a reader pastes it at the repository root with .venv activated:
     `python` and `torchrun` are the ones next to this interpreter. In a session of its own, bounded;
     at the end every process that carries its marker is killed (torchrun puts its workers in sessions
@@ -137,6 +137,7 @@ def run_command(command):
     marker = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
     env[COMMAND_VAR] = marker
+    env["TMPDIR"] = str(tmp_path)  # torchrun's torchelastic_* log folder lands here, not in /tmp for good
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # as activate does
     timed_out = False
     with lessonlib.reserve_port() as port:
@@ -237,7 +238,7 @@ def run_ranks(lesson, world_size, tmp_path):
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
-def test_docstring_command_runs(lesson, request):
+def test_docstring_command_runs(lesson, request, tmp_path):
     # What the README tells readers to paste, run as pasted: real torchrun (or python), no fork server.
     # Where the book, in the same session, launches the lesson at the command's world size with default
     # options, that run (torchrun through lessonlib.launch) stands for it: a torchrun start costs some
@@ -249,7 +250,7 @@ def test_docstring_command_runs(lesson, request):
             item.name == BOOK_TEST for item in request.session.items):
         pytest.skip(f"the book build runs it: {chapter} launches {lesson.name} at {command_world_size(lesson)} "
                     f"ranks under torchrun with default options, as `{command}` does")
-    code, out = run_command(command)
+    code, out = run_command(command, tmp_path)
     assert code == 0, f"`{command}` (the first line of {lesson.name}'s docstring) exited {code}:\n{out[-5000:]}"
 
 
