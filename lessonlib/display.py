@@ -140,7 +140,7 @@ def render_html(result):
         body = _capped(r.stdout, False)
         if r.stderr.strip():
             body += ("\n" if body else "") + _span("── stderr ──", True) + "\n" + _capped(r.stderr, True)
-        cols.append(_column(f"rank {r.rank}", _exit_text(r), body, bad=not r.ok))
+        cols.append(_column(f"rank {r.rank}", _exit_text(r), body or _QUIET, bad=not r.ok))
     icon = "&#10004;" if result.ok else "&#10008;"
     head = f"{icon} {html.escape(status_line(result))}"
     extra = ""
@@ -175,6 +175,8 @@ def show_table(rows, columns=None, title=None):
 
 _PRE = ("margin:0;padding:4px 6px;white-space:pre-wrap;word-break:break-word;max-height:30em;"
         "overflow:auto;font-size:11.5px;line-height:1.35;background:#fbfbfb;color:#1b1b1b")
+# What a rank that printed nothing shows, so that its column does not look like a rendering fault.
+_QUIET = '<span class="lessonlib-quiet" style="color:#595959;font-style:italic">(this rank printed nothing)</span>'
 _CELL = "border:1px solid #ccc;padding:2px 8px;text-align:left;font-family:monospace"
 
 

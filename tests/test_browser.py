@@ -178,7 +178,9 @@ PAGE_FACTS = r"""() => {
     const columns = grid ? Array.from(grid.children).map(col => {
       const pre = col.querySelector("pre"), box = col.getBoundingClientRect();
       return {title: (col.querySelector("b") || {}).textContent || "", shown: shown(col),
-              lines: pre ? pre.innerText.split("\n").filter(line => line.trim()).length : 0,
+              lines: pre && !pre.querySelector(".lessonlib-quiet") ?
+                pre.innerText.split("\n").filter(line => line.trim()).length : 0,
+              quiet: !!(pre && pre.querySelector(".lessonlib-quiet") && shown(pre.querySelector(".lessonlib-quiet"))),
               left: box.left, top: box.top};
     }) : [];
     return {head: (run.firstElementChild || run).textContent.trim().slice(0, 120), columns};
@@ -352,20 +354,25 @@ def test_code_blocks_are_highlighted(visit):
 
 
 def test_every_launch_chapter_shows_two_ranks_side_by_side(visit):
+    """Each chapter that launches shows at least one run with two or more rank columns visible side by
+    side, one of them with real output; and in every run, a rank that printed nothing says so in its
+    column (many lessons print from rank 0 only) instead of showing an empty box."""
     pages, _ = visit
-    missing = []
+    missing, blank = [], []
     for name in launch_chapters():
         good = []
         for run in pages[name].facts["runs"]:
-            shown = [c for c in run["columns"] if c["shown"] and c["lines"] and re.fullmatch(r"rank \d+", c["title"])]
+            shown = [c for c in run["columns"] if c["shown"] and re.fullmatch(r"rank \d+", c["title"])]
             side_by_side = len(shown) >= 2 and abs(shown[0]["top"] - shown[1]["top"]) < 2 and \
-                shown[1]["left"] > shown[0]["left"]
+                shown[1]["left"] > shown[0]["left"] and any(c["lines"] for c in shown)
             if side_by_side:
                 good.append(run)
+            blank += [f"{name}: {run['head']}: {c['title']}" for c in shown if not c["lines"] and not c["quiet"]]
         if not good:
             missing.append(f"{name}: {len(pages[name].facts['runs'])} lessonlib-run block(s), none with two "
-                           f"visible, non-empty rank columns side by side: {pages[name].facts['runs'][:2]}")
+                           f"visible rank columns side by side and output in one: {pages[name].facts['runs'][:2]}")
     assert not missing, "\n".join(missing)
+    assert not blank, "rank columns left blank, without saying that the rank printed nothing:\n" + "\n".join(blank)
 
 
 def test_embedded_widget_views_render(visit):

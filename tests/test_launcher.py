@@ -114,6 +114,9 @@ def test_text_and_html_views_show_every_rank(capture_run):
         for line in r.stderr.splitlines():
             assert f"[rank {r.rank}:stderr] {line}" in text
             assert html.escape(line) in page
+    # Every rank printed, so no column says it printed nothing (the browser test sees that note where a
+    # chapter's lesson prints from rank 0 only).
+    assert "lessonlib-quiet" not in page
     # Printed markup is shown as text, never interpreted.
     assert "<b>&" not in page and "&lt;b&gt;&amp;&quot;bold&quot;&lt;/b&gt;" in page
 
