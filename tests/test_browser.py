@@ -160,7 +160,8 @@ WAIT_FOR_IMAGES = """async () => {
 PAGE_FACTS = r"""() => {
   const shown = el => {
     const box = el.getBoundingClientRect(), style = getComputedStyle(el);
-    return box.width > 0 && box.height > 0 && style.visibility !== "hidden";
+    // checkVisibility: a closed <details> (a hide-cell toggle) lays its content out all the same.
+    return box.width > 0 && box.height > 0 && style.visibility !== "hidden" && el.checkVisibility();
   };
   const images = Array.from(document.images).map(img => ({
     src: img.currentSrc || img.src, ok: img.complete && img.naturalWidth > 0}));
@@ -178,9 +179,10 @@ PAGE_FACTS = r"""() => {
     const columns = grid ? Array.from(grid.children).map(col => {
       const pre = col.querySelector("pre"), box = col.getBoundingClientRect();
       return {title: (col.querySelector("b") || {}).textContent || "", shown: shown(col),
+              // textContent, not innerText: innerText is "" inside a closed toggle, which a reader opens.
               lines: pre && !pre.querySelector(".lessonlib-quiet") ?
-                pre.innerText.split("\n").filter(line => line.trim()).length : 0,
-              quiet: !!(pre && pre.querySelector(".lessonlib-quiet") && shown(pre.querySelector(".lessonlib-quiet"))),
+                pre.textContent.split("\n").filter(line => line.trim()).length : 0,
+              quiet: !!(pre && pre.querySelector(".lessonlib-quiet")),
               left: box.left, top: box.top};
     }) : [];
     return {head: (run.firstElementChild || run).textContent.trim().slice(0, 120), columns};
@@ -356,7 +358,8 @@ def test_code_blocks_are_highlighted(visit):
 def test_every_launch_chapter_shows_two_ranks_side_by_side(visit):
     """Each chapter that launches shows at least one run with two or more rank columns visible side by
     side, one of them with real output; and in every run, a rank that printed nothing says so in its
-    column (many lessons print from rank 0 only) instead of showing an empty box."""
+    column (many lessons print from rank 0 only) instead of showing an empty box; runs inside a closed
+    toggle (an exercise's hidden solution) included, since a reader opens it."""
     pages, _ = visit
     missing, blank = [], []
     for name in launch_chapters():
@@ -367,7 +370,8 @@ def test_every_launch_chapter_shows_two_ranks_side_by_side(visit):
                 shown[1]["left"] > shown[0]["left"] and any(c["lines"] for c in shown)
             if side_by_side:
                 good.append(run)
-            blank += [f"{name}: {run['head']}: {c['title']}" for c in shown if not c["lines"] and not c["quiet"]]
+            ranks = [c for c in run["columns"] if re.fullmatch(r"rank \d+", c["title"])]  # toggled ones too
+            blank += [f"{name}: {run['head']}: {c['title']}" for c in ranks if not c["lines"] and not c["quiet"]]
         if not good:
             missing.append(f"{name}: {len(pages[name].facts['runs'])} lessonlib-run block(s), none with two "
                            f"visible rank columns side by side and output in one: {pages[name].facts['runs'][:2]}")
