@@ -148,7 +148,7 @@ def render_html(result):
         n = len(result.launcher_output.splitlines())
         extra = (f'<details style="margin-top:4px"><summary style="cursor:pointer">torchrun\'s own output '
                  f'({n} lines, kept apart from the ranks)</summary>'
-                 f'<pre style="{_PRE}">{html.escape(result.launcher_output)}</pre></details>')
+                 f'<pre tabindex="0" style="{_PRE}">{html.escape(result.launcher_output)}</pre></details>')
     return _frame(head, cols, extra, bad=not result.ok)
 
 
@@ -206,7 +206,7 @@ def _column(title, subtitle, body, bad=False):
     return (f'<div style="border:1px solid #c8c8c8;border-radius:4px;overflow:hidden;min-width:0">'
             f'<div style="background:{colour};color:#1b1b1b;padding:2px 6px;font-family:sans-serif;font-size:12px">'
             f'<b>{html.escape(title)}</b> &middot; {html.escape(subtitle)}</div>'
-            f'<pre style="{_PRE}">{body}</pre></div>')
+            f'<pre tabindex="0" style="{_PRE}">{body}</pre></div>')
 
 
 def _frame(head, cols, extra="", bad=False):
