@@ -1,9 +1,9 @@
 """The book: notebooks are stored without outputs; every chapter executes, and the book builds.
 
-CI executes each notebook exactly once, with MyST-NB's own execution function and settings, several
-chapters at a time, and then builds the HTML book from those outputs (warnings are errors). When a
-cell fails, the test names the notebook, the cell and, through lessonlib's LaunchError, the rank.
-That work is done once per session by the fixture `built_book` (tests/conftest.py), which calls
+CI runs the reader's `jupyter-book build book` (warnings as errors) into an empty folder, so every
+chapter executes exactly once, several at a time (lessonlib.bookdeps), and the HTML is built from
+those outputs. When a cell fails, the test names the notebook, the cell and, through lessonlib's
+LaunchError, the rank. That work is done once per session by the fixture `built_book` (tests/conftest.py), which calls
 `execute_and_build` here: the book test reports its outcome, and the browser tests
 (tests/test_browser.py) open the pages it wrote. Both carry the xdist group "book", so that under
 `make test` (--dist loadgroup) they run in one worker, one after the other, and share one build.
@@ -12,12 +12,10 @@ That work is done once per session by the fixture `built_book` (tests/conftest.p
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,13 +23,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
-BUILD_TIMEOUT = 1500  # seconds for the whole book; each cell also has execute.timeout in _config.yml
-CHAPTER_TIMEOUT = 1200  # seconds for one chapter's execution (chapter 2 took 650 s with the whole suite beside it)
-# The book test's bound, fixture included (pytest-timeout counts setup): every chapter, two at a time, then
-# the HTML. A bound against a hang, well above the ~25 minutes the chapters took beside the rest of the
-# suite on 2 busy cores, not a target.
-BOOK_TEST_TIMEOUT = 2700
-EXECUTE = ROOT / "tests" / "helpers" / "execute_notebook.py"
+# The whole build, every chapter executed two at a time, then the HTML; each chapter also has its own
+# bound (lessonlib.bookdeps: 1200 s) and each cell execute.timeout (_config.yml). A bound against a hang,
+# well above the ~14 minutes the build took beside the rest of the suite on 2 busy cores, not a target.
+BUILD_TIMEOUT = 2600
+BOOK_TEST_TIMEOUT = 2700  # the book test's bound, fixture included (pytest-timeout counts setup)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -47,11 +43,15 @@ def tracked_notebooks():
     return sorted(found)
 
 
-def build_book(book_dir, timeout=BUILD_TIMEOUT):
-    """Run `jupyter-book build` (warnings as errors) in its own session; kill the whole tree on timeout."""
-    # --all: without it, a _build/ left by an earlier build makes Sphinx skip unchanged chapters,
-    # and they would not be executed this time.
-    cmd = [str(JUPYTER_BOOK), "build", str(book_dir), "--all", "-W", "-n", "--keep-going"]
+def build_book(book_dir, timeout=BUILD_TIMEOUT, output=None, fresh=True):
+    """Run `jupyter-book build` (warnings as errors) in its own session; kill the whole tree on timeout.
+
+    `output`: the folder that gets _build/ (--path-output), instead of the book's config folder.
+    `fresh`: read every source again (--all), as a first build does.
+    """
+    cmd = [str(JUPYTER_BOOK), "build", str(book_dir), "-W", "-n", "--keep-going"]
+    cmd += ["--all"] if fresh else []
+    cmd += ["--path-output", str(output)] if output is not None else []
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -64,28 +64,13 @@ def build_book(book_dir, timeout=BUILD_TIMEOUT):
 
 
 def explain_failure(log):
-    """Turn a failed build log into: which notebook, which cell (number and source), which error."""
-    parts = []
-    for m in re.finditer(r"An error occurred while executing the following cell:\n-+\n(.*?)\n-+\n(.*?)"
-                         r"(?=\n(?:The above exception|Traceback \(most recent call last\):\n  File \"/.*?jupyter_book)|\Z)",
-                         log, re.S):
-        source, error = m.group(1), m.group(2)
-        path = re.search(r"ExecutionError: (\S+\.ipynb)", log[m.end():] + log)
-        notebook = Path(path.group(1)) if path else None
-        where = f"{notebook}" if notebook else "a notebook"
-        if notebook and notebook.exists():
-            cells = json.loads(notebook.read_text())["cells"]
-            index = next((i for i, c in enumerate(cells) if "".join(c["source"]).strip() == source.strip()), None)
-            if index is not None:
-                where += f", cell {index} (counting from 0, markdown cells included)"
-        lines = error.strip().splitlines()
-        # The cell's own error (a LaunchError names the rank and the root cause) is what matters.
-        start = next((i for i, ln in enumerate(lines) if re.match(r"^\w*(Error|Exception)\b.*:", ln)), 0)
-        parts.append(f"{where} failed:\n{textwrap.indent(source, '    ')}\n" + "\n".join(lines[start:]))
+    """What a failed build log says went wrong: the chapters that failed to execute (lessonlib.bookdeps
+    names the notebook, the cell and its error), else the Sphinx warnings, else the log's end."""
+    parts = re.findall(r"^Extension error \(lessonlib\.bookdeps\):\n(.*?)(?=^Traceback|\Z)", log, re.S | re.M)
     warnings = [ln for ln in log.splitlines() if "WARNING:" in ln or "ERROR:" in ln]
     if warnings:
         parts.append("Sphinx warnings (treated as errors):\n" + "\n".join(warnings[:30]))
-    return "\n\n".join(parts) or log[-5000:]
+    return "\n\n".join(p.strip() for p in parts) or log[-5000:]
 
 
 def test_notebooks_in_git_have_no_outputs():
@@ -105,117 +90,39 @@ def test_every_chapter_is_in_the_toc():
     assert not missing, f"notebooks missing from book/_toc.yml (they would never be built): {missing}"
 
 
-def execute_chapters(notebooks, out_dir, jobs, cell_timeout):
-    """Execute the notebooks, `jobs` at a time, each in a process (and session) of its own.
-
-    Returns ({notebook: seconds}, {notebook: failure text}). The notebooks with the most launches
-    start first, so the longest one does not start last. Each is bounded: a chapter still running
-    after CHAPTER_TIMEOUT is killed with everything it started.
-    """
-    def weight(path):
-        text = path.read_text()
-        return text.count("lessonlib.launch(") + text.count("check_function(")
-
-    pending = sorted(notebooks, key=weight, reverse=True)
-    running, times, failures = {}, {}, {}
-    try:
-        while pending or running:
-            while pending and len(running) < jobs:
-                path = pending.pop(0)
-                log = open(out_dir / f"{path.stem}.log", "w+")
-                proc = subprocess.Popen([sys.executable, str(EXECUTE), str(path), str(out_dir / path.name),
-                                         str(cell_timeout)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                        text=True, start_new_session=True)
-                running[path] = (proc, log, time.monotonic())
-            for path, (proc, log, started) in list(running.items()):
-                late = time.monotonic() - started > CHAPTER_TIMEOUT
-                if proc.poll() is None and not late:
-                    continue
-                if late:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                log.seek(0)
-                text = log.read()
-                log.close()
-                del running[path]
-                if late:
-                    failures[path] = f"still running after {CHAPTER_TIMEOUT} s (killed)\n{text[-3000:]}"
-                elif proc.returncode != 0:
-                    failures[path] = describe_cell_failure(path, text)
-                else:
-                    times[path] = float(text.strip().splitlines()[-1])
-            time.sleep(0.2)
-    finally:
-        for proc, log, _ in running.values():
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            log.close()
-    return times, failures
-
-
-def describe_cell_failure(path, text):
-    """Which cell of which notebook failed, with the cell's own error (a LaunchError names the rank)."""
-    line = text.strip().splitlines()[-1] if text.strip() else ""
-    try:
-        info = json.loads(line)
-    except ValueError:
-        return f"{path.name}: the executor failed:\n{text[-3000:]}"
-    lines = (info["error"] or "").strip().splitlines()
-    start = next((i for i, ln in enumerate(lines) if re.match(r"^\w*(Error|Exception)\b.*:", ln)), 0)
-    where = f"cell {info['cell']} (counting from 0, markdown cells included)" if info["cell"] is not None else "a cell"
-    return f"{path.name}, {where} failed:\n{textwrap.indent(info['source'] or '', '    ')}\n" + "\n".join(lines[start:])
-
-
 @dataclass
 class BookBuild:
-    """What `execute_and_build` did: which chapters executed (and in how long), which failed, the build."""
+    """What the book build did: which chapters executed (and in how long), which failed, the HTML."""
     notebooks: list
-    jobs: int
+    jobs: int = 0
     execution_seconds: float = 0.0
     times: dict = field(default_factory=dict)  # {notebook: seconds}
     failures: dict = field(default_factory=dict)  # {notebook: failure text}
-    returncode: int | None = None  # of `jupyter-book build`; None when it did not run (a chapter failed)
+    returncode: int | None = None  # of `jupyter-book build`
     log: str = ""
     html: Path | None = None  # the built book's _build/html
 
-    @property
-    def ok(self):
-        return not self.failures and self.returncode == 0
-
 
 def execute_and_build(folder):
-    """Execute every chapter, then build the HTML book from those outputs, under `folder`.
+    """`make book` from scratch, with its output under `folder`: every chapter executed, the HTML built.
 
-    This is `make book` in two halves, so that chapters can execute side by side (CI's time is the
-    budget): each notebook is executed by the same function and settings as MyST-NB's (tests/helpers/
-    execute_notebook.py), from book/, BOOK_JOBS at a time; then `jupyter-book build` runs on a copy of
-    book/ holding the executed notebooks, with execution off, so every output is rendered as a reader
-    sees it. `make book` executes them one after another inside the build. When a chapter fails, the
-    book is not built; the result says what failed, and the book test turns that into its report.
+    The reader's own command, `jupyter-book build book` with warnings as errors, the course's
+    _config.yml and an empty cache (--path-output: nothing from an earlier build is reused), so every
+    chapter executes: lessonlib.bookdeps runs them BOOK_JOBS at a time (2 on CI's 2 cores) and leaves
+    what it executed, and in how long, in _build/lessonlib-execution.json. When a chapter fails, the
+    build stops and that report names the notebook, the cell and the error.
     """
-    notebooks = tracked_notebooks()
-    executed = folder / "executed"
-    executed.mkdir()
-    jobs = int(os.environ.get("BOOK_JOBS", min(2, os.cpu_count() or 1)))
-    build = BookBuild(notebooks, jobs)
-    started = time.monotonic()
-    build.times, build.failures = execute_chapters(notebooks, executed, jobs, cell_timeout())
-    build.execution_seconds = time.monotonic() - started
-    if build.failures:
-        return build
-
-    # The copy: book/ with the executed notebooks, next to links to the folders it includes code from.
-    site = folder / "site"
-    shutil.copytree(ROOT / "book", site / "book", ignore=shutil.ignore_patterns("*.ipynb", ".ipynb_checkpoints"))
-    for path in notebooks:
-        shutil.copy(executed / path.name, site / "book" / path.name)
-    for folder_name in ("lessons", "lessonlib"):
-        (site / folder_name).symlink_to(ROOT / folder_name, target_is_directory=True)
+    build = BookBuild(tracked_notebooks())
     config = (ROOT / "_config.yml").read_text()
-    assert re.search(r"^\s*execute_notebooks: force\b", config, re.M), "_config.yml no longer forces execution"
-    (site / "_config.yml").write_text(re.sub(r"(^\s*execute_notebooks:) force\b", r'\1 "off"', config, flags=re.M))
-    build.returncode, build.log = build_book(site / "book")
-    build.html = site / "_build" / "html"
+    assert re.search(r"^\s*execute_notebooks: cache\b", config, re.M), "_config.yml no longer uses the cache"
+    build.returncode, build.log = build_book(ROOT / "book", output=folder)
+    report_path = folder / "_build" / "lessonlib-execution.json"
+    if report_path.exists():
+        report = json.loads(report_path.read_text())
+        build.jobs, build.execution_seconds = report["jobs"], report["seconds"]
+        build.times = {Path(p): s for p, s in report["executed"].items()}
+        build.failures = {Path(p): f for p, f in report["failures"].items()}
+    build.html = folder / "_build" / "html"
     return build
 
 
@@ -240,21 +147,16 @@ def test_book_builds_and_executes_every_chapter(built_book, capsys):
             assert "lessonlib-run" in page.read_text(), f"{page.name} shows no side-by-side rank output"
 
 
-def cell_timeout():
-    """execute.timeout from _config.yml: the same bound per cell as the book build's."""
-    match = re.search(r"^\s*timeout:\s*(\d+)", (ROOT / "_config.yml").read_text(), re.M)
-    assert match, "_config.yml has no execute.timeout"
-    return int(match.group(1))
-
-
 @pytest.mark.timeout(300)
 def test_a_failing_cell_is_named_with_its_notebook_and_rank(tmp_path):
-    """A deliberately broken mini-book: the report must say which notebook, which cell, which rank."""
+    """A deliberately broken mini-book, executed as the course's is: the build log must say which
+    notebook, which cell, which rank."""
     (tmp_path / "_config.yml").write_text(textwrap.dedent("""
         title: broken
         only_build_toc_files: true
-        execute: {execute_notebooks: force, timeout: 120, allow_errors: false, run_in_temp: false}
-        sphinx: {config: {nb_execution_raise_on_error: true, nb_execution_show_tb: true}}
+        execute: {execute_notebooks: cache, timeout: 120, allow_errors: false, run_in_temp: false}
+        sphinx: {extra_extensions: [lessonlib.bookdeps],
+                 config: {nb_execution_raise_on_error: true, nb_execution_show_tb: true}}
     """))
     book = tmp_path / "book"
     book.mkdir()

@@ -1,0 +1,47 @@
+"""Execute one chapter notebook the way MyST-NB does, in a process of its own (lessonlib.bookdeps).
+
+    python -m lessonlib._execute_notebook book/NN.ipynb OUT.ipynb TIMEOUT
+
+The same function and settings as MyST-NB's own execution with `run_in_temp: false`: jupyter-cache's
+`single_nb_execution`, the kernel started in the notebook's folder, TIMEOUT seconds per cell, errors
+not allowed. The last line on stdout is JSON: `{"seconds": S}` after the executed notebook was written
+to OUT (exit status 0), or `{"cell": I, "source": ..., "error": "Name: message", "traceback": ...}` for the cell that
+failed (its index counts markdown cells too; exit status 1).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import nbformat
+from jupyter_cache.executors.utils import single_nb_execution
+
+
+def execute(source, out, timeout):
+    """Execute the notebook at `source`; write it to `out` and return the report (a dict)."""
+    source = Path(source).resolve()
+    nb = nbformat.read(source, as_version=4)
+    result = single_nb_execution(nb, cwd=str(source.parent), timeout=timeout, allow_errors=False)
+    if result.err is not None:
+        # nbclient stops at the failing cell: the last code cell with an error output. Its own error
+        # (name and value, as the reader would see it) is the report; the whole traceback comes after.
+        for i, cell in reversed(list(enumerate(nb.cells))):
+            errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+            if cell.cell_type == "code" and errors:
+                return {"cell": i, "source": cell.source, "error": f"{errors[0].ename}: {errors[0].evalue}",
+                        "traceback": result.exc_string}
+        return {"cell": None, "source": None, "error": result.exc_string, "traceback": result.exc_string}
+    nbformat.write(nb, out)
+    return {"seconds": round(result.time, 1)}
+
+
+def main(argv):
+    if len(argv) != 3:
+        raise SystemExit(f"usage: python -m lessonlib._execute_notebook NOTEBOOK OUT TIMEOUT (got {argv})")
+    report = execute(argv[0], argv[1], int(argv[2]))
+    print(json.dumps(report), flush=True)
+    sys.exit(0 if "seconds" in report else 1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
