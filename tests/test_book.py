@@ -102,6 +102,11 @@ class BookBuild:
     log: str = ""
     html: Path | None = None  # the built book's _build/html
 
+    @property
+    def ok(self):
+        """Every chapter executed and the HTML was built: the browser tests have pages to open."""
+        return not self.failures and self.returncode == 0
+
 
 def execute_and_build(folder):
     """`make book` from scratch, with its output under `folder`: every chapter executed, the HTML built.
