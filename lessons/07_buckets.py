@@ -17,6 +17,10 @@ holds and when. Asserted here (torch 2.14, find_unused_parameters off):
      overlaps the rest of backward.
   5. A bigger cap gives fewer buckets. bucket_cap_mb=25, passed, gives one bucket for a small model;
      left at its default (also 25), the first bucket is capped at 1 MiB.
+  6. A bucket is a flat buffer of its own: by default DDP copies each gradient into it and the averaged
+     values back into .grad, which keeps its own memory (no .grad lies inside a bucket's buffer).
+     With gradient_as_bucket_view=True every .grad is a view into its bucket (all of them lie inside):
+     no copies, and one copy of the gradients less in memory. Checked by data pointers.
 """
 
 import argparse
@@ -108,6 +112,26 @@ def timeline(log, buckets, span, it):
                          "launch_ms": ms(b["launch"]), "done_ms": ms(b["done"])} for b in buckets]}
 
 
+# [start: views]
+def grads_inside_buckets(as_view, steps=2):
+    """After `steps` steps: how many parameters' .grad lie inside a bucket's flat buffer, of how many."""
+    model = build(2, 8)
+    spans = []  # (first byte, end) of each bucket's buffer, this step
+
+    def hook(state, bucket):
+        buf = bucket.buffer()
+        spans.append((buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()))
+        return allreduce_hook(None, bucket)
+    ddp = DDP(model, gradient_as_bucket_view=as_view)
+    ddp.register_comm_hook(None, hook)
+    for _ in range(steps):
+        spans.clear()
+        ddp(torch.randn(4, 8)).square().mean().backward()
+    inside = [any(a <= p.grad.data_ptr() < b for a, b in spans) for p in model.parameters()]
+    return sum(inside), len(inside)
+# [end: views]
+
+
 def megabytes(text):
     value = float(text)  # argparse turns a ValueError into "invalid megabytes value"
     if not 0.001 <= value <= 100:
@@ -157,7 +181,10 @@ def main():
     assert len(big[None]) == 2 and big[None][0] >= MIB > big[None][0] - 256 * 256 * 4, big  # closed by a weight
     assert len(big[25]) == 1, big  # the same 25, asked for by name: no small first bucket
     # [end: first_bucket]
+    views = {flag: grads_inside_buckets(flag) for flag in (False, True)}
+    assert views[False][0] == 0 and views[True][0] == views[True][1], views
     if ctx.is_main:
+        lessonlib.report("views", {f"gradient_as_bucket_view={k}": f"{n} of {total}" for k, (n, total) in views.items()})
         lessonlib.report("sweep", [{"cap_mb": c, "buckets": n} for c, n in sweep.items()])
         lessonlib.report("first_bucket", {"default": big[None], "cap_25": big[25]})
         print(f"buckets at iteration 2 by bucket_cap_mb: {sweep}")
