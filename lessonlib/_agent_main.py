@@ -7,9 +7,10 @@ import signal
 import sys
 
 from lessonlib._lifeline import die_with_parent
+from lessonlib._runfolder import LAUNCHER_PID_VAR
 
 if __name__ == "__main__":
-    die_with_parent(signal.SIGTERM, int(os.environ["LESSONLIB_LAUNCHER_PID"]))
+    die_with_parent(signal.SIGTERM, int(os.environ[LAUNCHER_PID_VAR]))
     module = "torch.distributed.run"
     if sys.argv[1:2] == ["--legacy"]:
         module = "torch.distributed.launch"

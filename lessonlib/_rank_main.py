@@ -11,12 +11,13 @@ worker starts here and then runs SCRIPT exactly as `python SCRIPT ARGS...` would
 - records how the rank ended (exit code, exception, traceback, time) in a small JSON file, which is
   how `LaunchError` can name the first rank that failed rather than the last one to notice.
 
+The files it writes, and the variables it reads, are the run folder's (lessonlib._runfolder).
+
 It also dies if the torchrun agent dies (`lessonlib._lifeline`). The traceback printed for an uncaught exception leaves out this module's frames: it reads exactly as
 it would under bare torchrun.
 """
 
 import faulthandler
-import json
 import os
 import runpy
 import signal
@@ -24,19 +25,13 @@ import sys
 import time
 import traceback
 
+from lessonlib import _runfolder as runfolder
 from lessonlib._lifeline import die_with_parent
 
 
-def _write_json(path, data):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)  # atomic: the launcher never reads half a record
-
-
-def _redirect_std_streams(prefix):
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        target = os.open(f"{prefix}.{name}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+def _redirect_std_streams(run_dir, rank):
+    for fd, stream in zip((1, 2), runfolder.STREAMS):
+        target = os.open(runfolder.output_file(run_dir, rank, stream), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(target, fd)
         os.close(target)
 
@@ -53,10 +48,9 @@ def _script_traceback(exc, script):
 def main():
     # If the torchrun agent dies without stopping this rank, the rank must not live on alone.
     die_with_parent(signal.SIGKILL)
-    run_dir = os.environ["LESSONLIB_RUN_DIR"]
+    run_dir = os.environ[runfolder.RUN_DIR_VAR]
     rank = int(os.environ.get("RANK", "0"))
-    prefix = os.path.join(run_dir, f"rank{rank}")
-    _redirect_std_streams(prefix)
+    _redirect_std_streams(run_dir, rank)
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Dumped from C at once, even while blocked in a collective; chain=True then dies as SIGTERM would.
@@ -70,7 +64,7 @@ def main():
     sys.argv = [script, *legacy, *rest[1:]]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` would set it
     started = time.time()
-    _write_json(f"{prefix}.start.json", {"rank": rank, "pid": os.getpid(), "time": started})
+    runfolder.write_start(run_dir, rank, {"rank": rank, "pid": os.getpid(), "time": started})
 
     record = {"rank": rank, "pid": os.getpid(), "start": started}
     try:
@@ -82,7 +76,7 @@ def main():
         if record["exitcode"] != 0:
             record.update(exc_type="SystemExit", message=str(code), traceback="")
         record["end"] = time.time()
-        _write_json(f"{prefix}.exit.json", record)
+        runfolder.write_exit(run_dir, rank, record)
         raise  # Python prints a string code and exits with it, as usual
     except BaseException as e:  # noqa: BLE001 - every way out of the script is recorded
         text = _script_traceback(e, script)
@@ -91,7 +85,7 @@ def main():
     record["end"] = time.time()
     sys.stdout.flush()
     sys.stderr.flush()
-    _write_json(f"{prefix}.exit.json", record)
+    runfolder.write_exit(run_dir, rank, record)
     sys.exit(record["exitcode"])
 
 

@@ -13,12 +13,13 @@ in-memory store), so the same collective calls run unchanged at world size 1.
 """
 
 import datetime
-import json
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from . import _runfolder as runfolder
 
 DEFAULT_TIMEOUT = 30.0  # seconds; LESSONLIB_PG_TIMEOUT or setup(timeout=...) overrides it
 
@@ -130,8 +131,7 @@ def report(tag, value):
     from what each rank really computed, without parsing printed text. Run directly under torchrun,
     reports go nowhere: print what a reader should see.
     """
-    run_dir = os.environ.get("LESSONLIB_RUN_DIR")
+    run_dir = os.environ.get(runfolder.RUN_DIR_VAR)
     if run_dir:
-        with open(os.path.join(run_dir, f"rank{os.environ.get('RANK', '0')}.reports.jsonl"), "a") as f:
-            f.write(json.dumps({"tag": tag, "value": value}) + "\n")
+        runfolder.add_report(run_dir, os.environ.get("RANK", "0"), tag, value)
     return value

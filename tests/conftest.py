@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lessonlib.launcher import RUN_ID_VAR
+from lessonlib._runfolder import RUN_ID_VAR
 
 ROOT = Path(__file__).resolve().parent.parent
 SESSION_VAR = "COURSE_TESTS_SESSION"  # not LESSONLIB_*: that prefix is the launcher's own

@@ -1,0 +1,147 @@
+"""What `lessonlib.launch` is asked to run, checked before anything starts (chapter 1).
+
+`check_launch` turns launch's arguments into one frozen LaunchSpec, or raises a ValueError or
+FileNotFoundError that says what was wrong and what is allowed. Only the standard library is needed
+here (torch only to check 'nccl'), so `python -m lessonlib --help` can read the bounds without
+importing the launcher.
+"""
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+from ._runfolder import PREFIX
+
+ROOT = Path(__file__).resolve().parent.parent  # the course checkout: lessons/ and book/ live here
+MAX_NPROC = 16  # ranks per node; each is a whole Python process with torch loaded (~0.3 GB each)
+MAX_NNODES = 4  # simulated nodes on this one machine
+MAX_TIMEOUT = 3600.0
+BACKENDS = ("gloo", "nccl", "mpi")
+LAUNCHERS = ("torchrun", "torch.distributed.launch")
+RENDEZVOUS = ("c10d", "static")
+# torchrun sets these for each rank; a value passed in `env` would be silently overwritten.
+# PYTHONUNBUFFERED is lessonlib's: the live view needs every line flushed. (PYTHONPATH in `env` is kept,
+# after the course root.)
+RESERVED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "GROUP_WORLD_SIZE", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONUNBUFFERED")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One launch, checked: what runs, how many times, for how long, and where."""
+
+    script: Path  # the lesson file, resolved
+    shown: str  # the script as results and views name it: relative to cwd when it lies inside
+    args: tuple  # the lesson's own arguments, as strings
+    nproc: int  # ranks per node
+    nnodes: int  # torchrun agents, each standing for a machine
+    timeout: float  # seconds for the whole run
+    env: MappingProxyType  # variables every rank gets on top of this process's environment
+    backend: str | None  # forced process-group backend; None lets lessonlib.setup() pick
+    launcher: str  # 'torchrun' or the deprecated 'torch.distributed.launch'
+    rendezvous: str  # how several agents meet: 'c10d' or 'static'
+    cwd: Path  # where the agents and ranks run
+
+    @property
+    def world_size(self):
+        return self.nproc * self.nnodes
+
+
+def check_launch(script, nproc, args, timeout, env, *, nnodes, backend, launcher, rendezvous, cwd):
+    """launch's arguments as a LaunchSpec; raises ValueError or FileNotFoundError before anything starts."""
+    path = resolve_script(script, cwd)
+    _check_int("nproc", nproc, 1, MAX_NPROC, "each rank is a full Python process with torch loaded")
+    _check_int("nnodes", nnodes, 1, MAX_NNODES, "simulated nodes share this one machine")
+    args = _check_args(args)
+    env = _check_env(env)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT:
+        raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}]; got {timeout!r}")
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {launcher!r}")
+    if rendezvous not in RENDEZVOUS:
+        raise ValueError(f"rendezvous must be one of {', '.join(RENDEZVOUS)}; got {rendezvous!r}")
+    check_backend(backend, nproc)
+    cwd = Path(cwd).resolve() if cwd is not None else ROOT
+    if not cwd.is_dir():
+        raise FileNotFoundError(f"cwd {str(cwd)!r} is not a directory")
+    shown = os.path.relpath(path, cwd) if path.is_relative_to(cwd) else str(path)
+    return LaunchSpec(path, shown, tuple(args), nproc, nnodes, timeout, MappingProxyType(env), backend, launcher,
+                      rendezvous, cwd)
+
+
+def resolve_script(script, cwd=None):
+    """The lesson file: as given (relative to `cwd`, else this directory), or in the course root
+    (notebooks run in book/, lessons live in lessons/)."""
+    if not isinstance(script, (str, os.PathLike)) or not str(script):
+        raise ValueError(f"script must be a path to a .py file, e.g. 'lessons/01_launch.py'; got {script!r}")
+    path = Path(script)
+    bases = [Path(cwd)] if cwd is not None else []
+    candidates = [path] if path.is_absolute() else [b / path for b in [*bases, Path.cwd(), ROOT]]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    looked = ", ".join(str(c) for c in candidates)
+    raise FileNotFoundError(f"lesson script {str(script)!r} not found (looked in: {looked})")
+
+
+def _check_int(name, value, low, high, why):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int from {low} to {high}; got {value!r} ({type(value).__name__})")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be from {low} to {high} ({why}); got {value}")
+
+
+def _check_args(args):
+    if args is None:
+        return []
+    if isinstance(args, (str, bytes)):
+        raise ValueError(f"args must be a list of strings, e.g. ['--steps', '3']; got the single string {args!r}")
+    if not isinstance(args, (list, tuple)):
+        raise ValueError(f"args must be a list of strings, e.g. ['--steps', '3']; got {type(args).__name__}")
+    out = []
+    for a in args:
+        if isinstance(a, bool) or not isinstance(a, (str, int, float, os.PathLike)):
+            raise ValueError(f"each arg must be a string (or a number or path); got {a!r} in {args!r}")
+        out.append(os.fspath(a) if isinstance(a, os.PathLike) else str(a))
+    return out
+
+
+def _check_env(env):
+    if env is None:
+        return {}
+    if not isinstance(env, dict):
+        raise ValueError(f"env must be a dict of str to str; got {type(env).__name__}")
+    for k, v in env.items():
+        if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            raise ValueError(f"env keys must be variable names like 'MY_FLAG'; got {k!r}")
+        if not isinstance(v, str):
+            raise ValueError(f"env[{k!r}] must be a str (environment values are text); got {v!r}")
+        if k in RESERVED_ENV or k.startswith(PREFIX):
+            raise ValueError(f"env[{k!r}] is set by torchrun or lessonlib for each rank and cannot be "
+                             f"overridden; reserved: {', '.join(RESERVED_ENV)} and {PREFIX}*")
+    return dict(env)
+
+
+def check_backend(backend, ranks_per_node):
+    """Refuse a backend that is unknown or cannot run here, with the reason (no torch import for gloo)."""
+    if backend is None:
+        return
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or None (pick automatically); got {backend!r}")
+    if backend == "nccl":
+        if not sys.platform.startswith("linux") or not list(Path("/dev").glob("nvidia[0-9]*")):
+            raise ValueError("backend 'nccl' needs NVIDIA GPUs and this machine has none "
+                             "(no /dev/nvidia* device); use 'gloo' or backend=None, which picks gloo on CPU")
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs CUDA, but torch.cuda.is_available() is False here; use 'gloo'")
+        if torch.cuda.device_count() < ranks_per_node:
+            raise ValueError(f"backend 'nccl' needs one GPU per rank: {ranks_per_node} ranks per node but "
+                             f"{torch.cuda.device_count()} GPU(s); lower nproc or use 'gloo'")
+    if backend == "mpi":
+        import torch.distributed as dist
+        if not dist.is_mpi_available():
+            raise ValueError("backend 'mpi' is not built into this torch; use 'gloo'")

@@ -1,0 +1,273 @@
+"""What a launch left behind, read into a RunResult, and how its failure is told (chapter 1).
+
+    run.ok, run.ranks[1].stdout, run.root_cause, run.raise_for_status()
+
+`read_result` builds the RunResult from two sources. The ranks' own records in the run folder
+(lessonlib._runfolder) come first: their output, when each started and ended, the exception that
+ended it. A rank that left no exit record (os._exit, a signal, a kill on timeout) is judged from what
+the launcher saw instead (an Ending): when its process disappeared, whether the run timed out or was
+interrupted, and the exit code torchrun reported for it.
+"""
+
+import re
+import signal
+from dataclasses import dataclass, field
+
+from . import _runfolder as runfolder
+
+
+class LaunchError(RuntimeError):
+    """A launched lesson failed, hung or was interrupted; the message names the rank(s) and root cause."""
+
+    def __init__(self, message, result):
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class RankOutput:
+    """What one rank printed and how it ended."""
+
+    rank: int
+    stdout: str = ""
+    stderr: str = ""
+    exitcode: int | None = None  # None: the rank left no exit record (killed by a signal)
+    status: str = "not started"  # ok | failed | hung | interrupted | terminated | not started
+    pid: int | None = None
+    start: float | None = None
+    end: float | None = None
+    error: str = ""  # "ValueError: ..." for an uncaught exception
+    traceback: str = ""
+    reports: list = field(default_factory=list)  # [(tag, value)] from lessonlib.report
+
+    @property
+    def ok(self):
+        return self.exitcode == 0
+
+
+@dataclass
+class RunResult:
+    """The outcome of `launch`: per-rank output, exit codes, wall time, and what went wrong."""
+
+    script: str
+    args: list
+    nproc: int
+    nnodes: int
+    ranks: list
+    launcher_output: str  # torchrun's own stdout and stderr, one block per node agent
+    returncodes: list  # one per torchrun agent
+    wall_time: float
+    timeout: float
+    timed_out: bool = False
+    interrupted: bool = False
+    leftovers: list = field(default_factory=list)  # processes that outlived the run and were killed
+    agent_pids: list = field(default_factory=list)  # torchrun agent pid per node, in --node-rank order
+
+    @property
+    def world_size(self):
+        return self.nproc * self.nnodes
+
+    @property
+    def ok(self):
+        return (not self.timed_out and not self.interrupted
+                and all(rc == 0 for rc in self.returncodes) and all(r.ok for r in self.ranks))
+
+    @property
+    def failed_ranks(self):
+        return [r.rank for r in self.ranks if not r.ok]
+
+    @property
+    def root_cause(self):
+        """The rank whose failure came first.
+
+        A rank that failed only because a peer vanished ("Connection closed by peer") is a victim, so
+        ranks that failed on their own come first; among those, the earliest to end. End times come
+        from each rank's exit record or, for a rank that died without one (os._exit, a signal), from
+        when the launcher saw its process disappear.
+        """
+        failed = [r for r in self.ranks if r.status == "failed"]
+        if not failed:
+            return None
+        return min(failed, key=lambda r: (_is_collateral(r), r.end if r.end is not None else float("inf")))
+
+    def reports(self, tag):
+        """Values that ranks published with `lessonlib.report(tag, value)`, as [(rank, value), ...]."""
+        return [(r.rank, value) for r in self.ranks for t, value in r.reports if t == tag]
+
+    def reports_by_rank(self, tag):
+        """The same values grouped by rank: {rank: [value, ...] in the order reported}, every rank a key."""
+        grouped = {r.rank: [] for r in self.ranks}
+        for rank, value in self.reports(tag):
+            grouped[rank].append(value)
+        return grouped
+
+    def raise_for_status(self):
+        """Raise LaunchError if the run did not succeed on every rank; return self otherwise."""
+        if not self.ok:
+            raise LaunchError(self.describe_failure(), self)
+        return self
+
+    def describe_failure(self):
+        if self.ok:
+            return f"{self.script}: all {self.world_size} ranks exited 0"
+        if self.timed_out or self.interrupted:
+            return self._describe_stopped()
+        return self._describe_failed()
+
+    def _describe_stopped(self):
+        what = f"timed out after {self.timeout:g} s" if self.timed_out else "was interrupted"
+        stuck = [r for r in self.ranks if r.status in ("hung", "interrupted")]
+        if not stuck:
+            return (f"{self.script} {what} before any rank had started its script (torchrun was "
+                    f"still starting; everything was killed). torchrun said:\n{_tail(self.launcher_output, 30)}")
+        lines = [f"{self.script} {what}; rank(s) {_list(r.rank for r in stuck)} were still "
+                 "running and were killed. Their Python stacks at that moment:"]
+        for r in stuck:
+            lines += [f"--- rank {r.rank} stack ---",
+                      _stack_dump(r.stderr) or _tail(r.stderr, 30) or "(no stack printed)"]
+        cause = self.root_cause
+        if cause is not None:
+            lines += [f"Before that, rank {cause.rank} failed:", cause.traceback or cause.error]
+        return "\n".join(lines)
+
+    def _describe_failed(self):
+        cause = self.root_cause
+        lines = [f"{self.script} failed on rank(s) {_list(self.failed_ranks)} of {self.world_size}."]
+        if cause is None:
+            lines.append("No rank recorded an error; torchrun said:")
+            lines.append(_tail(self.launcher_output, 30))
+            return "\n".join(lines)
+        when = f" at +{cause.end - self.ranks_start:.2f} s" if cause.end and self.ranks_start else ""
+        lines.append(f"First failure (root cause): rank {cause.rank} exited {cause.exitcode}{when}"
+                     + (f" with {cause.error}" if cause.error else ""))
+        for r in self.ranks:
+            if r.ok or r is cause:
+                continue
+            lines.append(f"Then rank {r.rank}: {r.status}"
+                         + (f", exit code {r.exitcode}" if r.exitcode is not None else "")
+                         + (f" ({r.error})" if r.error else ""))
+            stack = _stack_dump(r.stderr) if r.status == "terminated" else ""
+            if stack:
+                lines += [f"    where rank {r.rank} was when it was stopped:",
+                          "    " + stack.replace("\n", "\n    ")]
+        lines += [f"--- rank {cause.rank} traceback ---",
+                  cause.traceback or _tail(cause.stderr, 30) or "(no traceback: see its stderr)"]
+        return "\n".join(lines)
+
+    @property
+    def ranks_start(self):
+        starts = [r.start for r in self.ranks if r.start is not None]
+        return min(starts) if starts else None
+
+    def _repr_html_(self):
+        from .display import render_html
+        return render_html(self)
+
+    def __str__(self):
+        from .display import render_text
+        return render_text(self)
+
+
+COLLATERAL = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Socket closed|recvValue failed", re.I)
+
+
+def _is_collateral(rank):
+    """True when a rank's error only says that another rank went away."""
+    return bool(COLLATERAL.search(rank.error or ""))
+
+
+def _list(items):
+    return ", ".join(str(i) for i in items)
+
+
+def _tail(text, n):
+    return "\n".join(text.rstrip("\n").splitlines()[-n:])
+
+
+def _stack_dump(stderr):
+    """The faulthandler dump in a rank's stderr (from its first 'Thread 0x' line), or '' if none."""
+    hits = [i for i in (stderr.find("Thread 0x"), stderr.find("Current thread 0x")) if i >= 0]
+    if not hits:
+        return ""
+    # The frames below the lesson (runpy, lessonlib._rank_main) are the launcher's, not the lesson's.
+    lines = [ln for ln in stderr[min(hits):].splitlines()
+             if "<frozen runpy>" not in ln and "lessonlib/_rank_main.py" not in ln]
+    return "\n".join(lines).rstrip()
+
+
+# --------------------------------------------------------------------------- reading a run folder
+
+@dataclass(frozen=True)
+class Ending:
+    """How the run ended as the launcher saw it: what the ranks could not record themselves."""
+
+    returncodes: list  # one per torchrun agent
+    agent_pids: list
+    wall_time: float
+    timed_out: bool
+    interrupted: bool
+    gone_at: dict  # {rank: time.time() when the launcher saw its process disappear}
+    leftovers: list  # processes found alive after the run's own kill (a launcher bug if any)
+
+
+def read_result(spec, run_dir, ending):
+    """The RunResult of the launch `spec` (a LaunchSpec) from its run folder and how it ended."""
+    launcher_output = "\n".join(
+        (f"--- torchrun agent for node {i} ---\n" if spec.nnodes > 1 else "")
+        + runfolder.read_text(runfolder.agent_log(run_dir, i))
+        for i in range(spec.nnodes))
+    from_torchrun = _torchrun_failures(launcher_output)
+    ranks = []
+    for rank in range(spec.world_size):
+        r, recorded_exit = _as_recorded(run_dir, rank)
+        if r.start is not None and not recorded_exit:
+            _judge_unrecorded(r, ending, from_torchrun.get(rank))
+        ranks.append(r)
+    return RunResult(spec.shown, list(spec.args), spec.nproc, spec.nnodes, ranks, launcher_output,
+                     ending.returncodes, ending.wall_time, spec.timeout, ending.timed_out, ending.interrupted,
+                     [f"pid {p.pid}" for p in ending.leftovers], ending.agent_pids)
+
+
+def _as_recorded(run_dir, rank):
+    """(RankOutput, whether it has an exit record) from what the rank wrote itself."""
+    r = RankOutput(rank, runfolder.read_text(runfolder.output_file(run_dir, rank, "stdout")),
+                   runfolder.read_text(runfolder.output_file(run_dir, rank, "stderr")))
+    r.reports.extend(runfolder.read_reports(run_dir, rank))
+    start, done = runfolder.read_start(run_dir, rank), runfolder.read_exit(run_dir, rank)
+    if start:
+        r.pid, r.start, r.status = start["pid"], start["time"], "terminated"
+    if done:
+        r.exitcode, r.end = done["exitcode"], done["end"]
+        r.status = "ok" if r.exitcode == 0 else "failed"
+        if done.get("exc_type"):
+            r.error = f"{done['exc_type']}: {done.get('message', '')}".rstrip(": ")
+            r.traceback = done.get("traceback", "")
+    return r, bool(done)
+
+
+def _judge_unrecorded(r, ending, torchrun_exitcode):
+    """A rank that started but left no exit record: its end, exit code and status from the launcher's view."""
+    r.end = ending.gone_at.get(r.rank)
+    if ending.timed_out or ending.interrupted:
+        r.status = "hung" if ending.timed_out else "interrupted"
+    elif all(rc == 0 for rc in ending.returncodes):
+        r.exitcode, r.status = 0, "ok"  # torchrun saw it exit 0 (e.g. via os._exit)
+    elif torchrun_exitcode is not None and torchrun_exitcode > 0:
+        r.exitcode, r.status = torchrun_exitcode, "failed"  # os._exit(n): no Python-level record, a real failure
+        r.error = f"exit code {r.exitcode}"
+    elif torchrun_exitcode is not None and torchrun_exitcode < 0:
+        sig = -torchrun_exitcode
+        name = signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)
+        r.exitcode, r.status, r.error = torchrun_exitcode, "failed", f"killed by {name}"
+        if sig == signal.SIGTERM:
+            r.status = "terminated"  # torchrun stopping the group after another failure
+    else:
+        r.exitcode = torchrun_exitcode  # 0 or unknown: still "terminated"
+
+
+def _torchrun_failures(text):
+    """{rank: exitcode} from torchrun's failure summary, for ranks that left no exit record."""
+    found = {}
+    for m in re.finditer(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", text):
+        found.setdefault(int(m.group(1)), int(m.group(2)))
+    return found
