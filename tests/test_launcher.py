@@ -408,3 +408,51 @@ def test_timeout_before_any_rank_started_says_so():
     assert run.timed_out and not run.ok
     assert all(r.status == "not started" for r in run.ranks), [r.status for r in run.ranks]
     assert "before any rank had started" in run.describe_failure()
+
+
+# --------------------------------------------------------------------------- the launch description and the run folder
+
+def test_launch_description_is_checked_and_frozen(tmp_path):
+    import dataclasses
+
+    from lessonlib.launchspec import check_launch
+
+    script = tmp_path / "x.py"
+    script.write_text("print('x')\n")
+    spec = check_launch(script.name, 3, ["--steps", 2], 45, {"MY_FLAG": "1"}, nnodes=2, backend="gloo",
+                        launcher="torchrun", rendezvous="static", cwd=tmp_path)
+    assert (spec.script, spec.shown, spec.args, spec.world_size) == (script, "x.py", ("--steps", "2"), 6)
+    assert spec.cwd == tmp_path.resolve() and spec.env == {"MY_FLAG": "1"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.nproc = 4
+    with pytest.raises(TypeError):
+        spec.env["OTHER"] = "2"
+
+
+def test_run_folder_records_round_trip(tmp_path):
+    from lessonlib import _runfolder as runfolder
+
+    folder = str(tmp_path)
+    assert runfolder.read_start(folder, 0) is None and runfolder.read_exit(folder, 0) is None
+    assert runfolder.read_reports(folder, 0) == []
+    assert runfolder.read_text(runfolder.output_file(folder, 0, "stdout")) == ""
+    runfolder.write_start(folder, 1, {"rank": 1, "pid": 7, "time": 1.5})
+    runfolder.write_exit(folder, 1, {"rank": 1, "exitcode": 3, "end": 2.5})
+    runfolder.add_report(folder, 1, "loss", [0.5, 0.25])
+    runfolder.add_report(folder, "1", "loss", {"step": 2})  # a rank as RANK gives it: text
+    assert runfolder.read_start(folder, 1) == {"rank": 1, "pid": 7, "time": 1.5}
+    assert runfolder.read_exit(folder, 1) == {"rank": 1, "exitcode": 3, "end": 2.5}
+    assert runfolder.read_reports(folder, 1) == [("loss", [0.5, 0.25]), ("loss", {"step": 2})]
+    assert sorted(os.listdir(folder)) == ["rank1.exit.json", "rank1.reports.jsonl", "rank1.start.json"]
+
+
+RUN_FOLDER_NAMES = ("LESSONLIB_RUN_ID", "LESSONLIB_RUN_DIR", "LESSONLIB_LAUNCHER_PID", ".start.json", ".exit.json",
+                    ".reports.jsonl", "agent{", ".stdout\"", ".stderr\"")
+
+
+def test_run_folder_protocol_is_spelled_once():
+    """The run folder's variable and file names live in lessonlib/_runfolder.py; every other side imports them."""
+    sides = [*sorted((ROOT / "lessonlib").glob("*.py")), ROOT / "tests" / "conftest.py", ROOT / "tests" / "rankfork.py"]
+    spelled = [(path.relative_to(ROOT), name) for path in sides if path.name != "_runfolder.py"
+               for name in RUN_FOLDER_NAMES if name in path.read_text()]
+    assert spelled == [], f"run-folder names spelled outside lessonlib/_runfolder.py: {spelled}"
