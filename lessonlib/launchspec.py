@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the course checkout: lessons/ a
 MAX_NPROC = 16  # ranks per node; each is a whole Python process with torch loaded (~0.3 GB each)
 MAX_NNODES = 4  # simulated nodes on this one machine
 MAX_TIMEOUT = 3600.0
-BACKENDS = ("gloo", "nccl", "mpi")
+BACKENDS = ("gloo", "nccl")
 LAUNCHERS = ("torchrun", "torch.distributed.launch")
 RENDEZVOUS = ("c10d", "static")
 # torchrun sets these for each rank; a value passed in `env` would be silently overwritten.
@@ -141,7 +141,3 @@ def check_backend(backend, ranks_per_node):
         if torch.cuda.device_count() < ranks_per_node:
             raise ValueError(f"backend 'nccl' needs one GPU per rank: {ranks_per_node} ranks per node but "
                              f"{torch.cuda.device_count()} GPU(s); lower nproc or use 'gloo'")
-    if backend == "mpi":
-        import torch.distributed as dist
-        if not dist.is_mpi_available():
-            raise ValueError("backend 'mpi' is not built into this torch; use 'gloo'")

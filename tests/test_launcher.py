@@ -412,6 +412,16 @@ def test_timeout_before_any_rank_started_says_so():
 
 # --------------------------------------------------------------------------- the launch description and the run folder
 
+def test_mpi_backend_is_refused_naming_what_is_allowed(monkeypatch):
+    """No chapter uses MPI, so launch offers gloo and nccl only; 'mpi' is bad input, refused before anything starts."""
+    spawned = []
+    monkeypatch.setattr(psutil, "Popen", lambda *a, **kw: spawned.append(a) or pytest.fail("started a process"))
+    with pytest.raises(ValueError, match=r"backend must be one of gloo, nccl or None \(pick automatically\); "
+                                         r"got 'mpi'"):
+        lessonlib.launch(LAUNCH_LESSON, nproc=2, timeout=30, show="none", backend="mpi")
+    assert spawned == []
+
+
 def test_launch_description_is_checked_and_frozen(tmp_path):
     import dataclasses
 
