@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lessonlib
-from lessonlib.training import flat_grads, global_batch, mlp, my_rows
+from lessonlib.training import flat_grads, gather, global_batch, mlp, my_rows
 
 TOL = 1e-12
 
@@ -41,6 +41,13 @@ def ddp_grad(x, y, loss_fn, extra=()):
     torch.manual_seed(1)  # the same seed on every rank, as chapter 4's "same seed" setup
     loss_fn(model(x), y).backward()
     return flat_grads(model.module)
+
+
+def recording_dropout(p, masks):
+    """A Dropout layer that keeps each mask it draws (where its output is not zero) in `masks`."""
+    layer = torch.nn.Dropout(p)
+    layer.register_forward_hook(lambda module, inputs, out: masks.append(out.detach() != 0))
+    return layer
 
 
 def sum_allreduce_grad(x, y):
@@ -99,14 +106,15 @@ def main():
     mine_u = my_rows(sizes, r)
     want_u = reference_grad(xu, yu)
     dropout_p = 0.5
+    ddp_masks, ref_masks = [], []  # the dropout masks drawn under DDP (this rank's rows) and by the reference
     direction = {  # case: (gradient, reference, fixed?)
         "unequal rows, mean loss": (ddp_grad(xu[mine_u], yu[mine_u], mean), want_u, False),
         "unequal rows, global_mean_loss": (
             ddp_grad(xu[mine_u], yu[mine_u], lambda p, t: global_mean_loss(p, t, n)), want_u, True),
         "BatchNorm": (ddp_grad(x[mine], y[mine], mean, extra=[torch.nn.BatchNorm1d(8).double()]),
                       reference_grad(x, y, extra=[torch.nn.BatchNorm1d(8).double()]), False),
-        "dropout": (ddp_grad(x[mine], y[mine], mean, extra=[torch.nn.Dropout(dropout_p)]),
-                    reference_grad(x, y, extra=[torch.nn.Dropout(dropout_p)]), False),
+        "dropout": (ddp_grad(x[mine], y[mine], mean, extra=[recording_dropout(dropout_p, ddp_masks)]),
+                    reference_grad(x, y, extra=[recording_dropout(dropout_p, ref_masks)]), False),
     }
     for case, (got, ref, fixed) in direction.items():
         factor, gap = compare(got, ref)
@@ -115,6 +123,16 @@ def main():
         elif n > 1:  # one rank holds every row: nothing to break
             assert gap > 1e-6, f"rank {r}: {case} should differ from the reference, gap {gap:.1e}"
         rows.append({"case": case, "factor": factor, "gap after rescaling": gap})
+
+    # Dropout's masks, with the same seed on every rank: every rank draws the same masks for its rows,
+    # rank 0's equal the reference's for rank 0's rows, and the reference drew different ones for the rest.
+    masks = gather(ddp_masks[0].double())
+    same_on_all = all(torch.equal(m, masks[0]) for m in masks)
+    rank0_is_reference = torch.equal(masks[0].bool(), ref_masks[0][:b])
+    others_differ = all(not torch.equal(ref_masks[0][k * b:(k + 1) * b], masks[0].bool()) for k in range(1, n))
+    assert same_on_all and rank0_is_reference and others_differ, (same_on_all, rank0_is_reference, others_differ)
+    lessonlib.report("dropout masks", {"same on every rank": same_on_all, "rank 0's are the reference's": rank0_is_reference,
+                                       "the reference's for other ranks' rows differ": others_differ})
 
     for row in rows:
         lessonlib.report("cases", row)
