@@ -11,9 +11,10 @@ times N makes more than the unscaled rate (both asserted here, for N > 1, on a t
 learning rate is small enough to be the bottleneck). The linear scaling rule (Goyal
 et al., 2017) multiplies the learning rate by N to make up for the fewer steps; warm-up ramps it from
 the single-process value to N times that over the first steps, because a large rate is most
-dangerous at the start. The schedule is asserted; each run's loss after every epoch is reported. To
-reproduce one process with batch B exactly instead, give each rank B / N rows and keep the rate
-(chapter 5's equivalence).
+dangerous at the start. The schedule is asserted, and that warm-up starts behind the scaled run and,
+by the last of 3 or more epochs, is within a quarter of its first-epoch gap; each run's loss after
+every epoch is reported. To reproduce one process with batch B exactly instead, give each rank B / N
+rows and keep the rate (chapter 5's equivalence).
 """
 
 import argparse
@@ -100,6 +101,9 @@ def main():
             f"N ranks at the same lr should lag one process here: {same_lr['losses']} vs {single['losses']}"
         assert scaled["losses"][-1] < same_lr["losses"][-1], \
             f"lr x {n} should beat the unscaled rate here: {scaled['losses']} vs {same_lr['losses']}"
+        gaps = [wl - sl for wl, sl in zip(warm["losses"], scaled["losses"])]  # warm-up behind the scaled run
+        assert len(gaps) < 3 or gaps[0] > 0 and abs(gaps[-1]) < gaps[0] / 4, \
+            f"warm-up should start behind the scaled run and, after 3 epochs or more, nearly catch up: {gaps}"
     for name, run in runs.items():
         row = lessonlib.report("runs", {"run": name, "world size": n, **run})
         if ctx.is_main:
