@@ -10,18 +10,17 @@ with rank k's `tensor` on every rank, and leaves `tensor` unchanged. While it ru
 collective raises, so it really has to use broadcast. It is checked on several shapes and dtypes with
 values that say which rank they came from. The ranks agree on the verdict before anyone reports it.
 
-Without --solution the checker tests itself: dist.all_gather must pass (run unguarded), and a
-plausible wrong answer, broadcasting `tensor` itself (broadcast writes into its argument), must fail.
+Without --solution the checker tests itself: the reference solution (the `solution` region, which the
+chapter shows) must pass, and a plausible wrong answer, broadcasting `tensor` itself (broadcast writes
+into its argument), must fail. The tensors live on ctx.device, so the checker also runs on GPUs (nccl).
 """
 
-import argparse
 import contextlib
 
 import torch
 import torch.distributed as dist
 
-import lessonlib
-from lessonlib.exercises import load_function
+from lessonlib.exercises import run_checker
 
 # Everything that could stand in for broadcast; the checker's own bookkeeping runs after they are back.
 OTHERS = ["all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object", "gather",
@@ -47,7 +46,7 @@ def only_broadcast():
             setattr(dist, name, fn)
 
 
-def verdict(fn, ctx, guard=True):
+def verdict(fn, ctx):
     """None if fn behaves like all_gather on every rank, else the first problem this rank saw."""
     n, r = ctx.world_size, ctx.rank
     problem = None
@@ -55,7 +54,7 @@ def verdict(fn, ctx, guard=True):
         tensor = torch.full(shape, 10 * r + 1, dtype=dtype, device=ctx.device)  # tens digit: the rank
         original = tensor.clone()
         out = [torch.full(shape, -1, dtype=dtype, device=ctx.device) for _ in range(n)]
-        with only_broadcast() if guard else contextlib.nullcontext():
+        with only_broadcast():
             fn(out, tensor)
         for k in range(n):
             if problem is None and not torch.equal(out[k].cpu(), torch.full(shape, 10 * k + 1, dtype=dtype)):
@@ -65,11 +64,13 @@ def verdict(fn, ctx, guard=True):
     return problem
 
 
-def agreed(ctx, problem):
-    """True on every rank iff no rank saw a problem (so all ranks reach the same verdict)."""
-    ok = torch.tensor([0 if problem else 1], device=ctx.device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
+# [start: solution]
+def all_gather_from_broadcast(tensor_list, tensor):
+    for k in range(dist.get_world_size()):
+        if dist.get_rank() == k:
+            tensor_list[k].copy_(tensor)  # broadcast into the output slot, never into `tensor` itself
+        dist.broadcast(tensor_list[k], src=k)
+# [end: solution]
 
 
 def broadcast_in_place(tensor_list, tensor):
@@ -80,26 +81,9 @@ def broadcast_in_place(tensor_list, tensor):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--solution", help="Python file defining the solution")
-    parser.add_argument("--function", default="all_gather_from_broadcast", help="its name")
-    args = parser.parse_args()
-    fn = load_function(args.solution, args.function) if args.solution else None
-    ctx = lessonlib.setup(timeout=20)  # a wrong solution may leave ranks waiting: fail in 20 s, not 30
-
-    if fn is not None:
-        problem = verdict(fn, ctx)
-        assert agreed(ctx, problem), f"rank {ctx.rank}: {problem or 'another rank saw a problem'}"
-        print(f"rank {ctx.rank}: {args.function} gathers like dist.all_gather")
-    else:
-        assert agreed(ctx, verdict(dist.all_gather, ctx, guard=False)), "the checker rejects dist.all_gather"
-        caught = not agreed(ctx, verdict(broadcast_in_place, ctx))
-        if ctx.world_size > 1:
-            assert caught, "the checker accepted broadcast_in_place"
-            print(f"rank {ctx.rank}: checker self-test: accepts dist.all_gather, rejects broadcast_in_place")
-        else:  # with one rank, broadcasting in place is harmless: nothing to reject
-            print("world size 1: broadcast_in_place is correct here, so only the accepting half is tested")
-    lessonlib.teardown()
+    run_checker(__doc__, verdict, all_gather_from_broadcast, wrong=[broadcast_in_place],
+                right_alone=[broadcast_in_place],  # one rank: broadcasting in place is harmless
+                passed="gathers like dist.all_gather", device=None)  # device=None: GPUs (nccl) where there are
 
 
 if __name__ == "__main__":

@@ -10,18 +10,15 @@ to `epoch` by set_epoch, yields. Every rank checks its own rank's answer on many
 fewer samples than ranks, sizes that divide evenly and sizes that do not, both shuffle settings and
 both drop_last settings. The ranks agree on the verdict before anyone reports it.
 
-Without --solution the checker tests itself: DistributedSampler itself must pass, and two plausible
-wrong answers must fail: contiguous blocks instead of a stride, and a stride without the padding.
+Without --solution the checker tests itself: the reference solution (the `solution` region, which the
+chapter shows) must pass, and two plausible wrong answers must fail: contiguous blocks instead of a
+stride, and a stride without the padding (at world size 1 both are right).
 """
 
-import argparse
-
 import torch
-import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-import lessonlib
-from lessonlib.exercises import load_function
+from lessonlib.exercises import run_checker
 
 
 def sampler_shard(n, rank, world_size, seed, epoch, shuffle, drop_last):
@@ -55,11 +52,19 @@ def verdict(fn, ctx):
     return None
 
 
-def agreed(ctx, problem):
-    """True on every rank iff no rank saw a problem (so all ranks reach the same verdict)."""
-    ok = torch.tensor([0 if problem else 1])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
+# [start: solution]
+def shard(n, rank, world_size, seed, epoch, shuffle, drop_last):
+    import math  # self-contained: a solution is sent to the checker alone
+
+    if shuffle:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    else:
+        order = list(range(n))
+    per_rank = n // world_size if drop_last else math.ceil(n / world_size)
+    total = per_rank * world_size
+    order = (order * math.ceil(total / n))[:total]  # pad by wrapping around, or cut the tail
+    return order[rank::world_size]  # a stride, not a block
+# [end: solution]
 
 
 def blocks(n, rank, world_size, seed, epoch, shuffle, drop_last):
@@ -80,26 +85,8 @@ def no_padding(n, rank, world_size, seed, epoch, shuffle, drop_last):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--solution", help="Python file defining the solution")
-    parser.add_argument("--function", default="shard", help="its name")
-    args = parser.parse_args()
-    fn = load_function(args.solution, args.function) if args.solution else None
-    ctx = lessonlib.setup(timeout=20)
-
-    if fn is not None:
-        problem = verdict(fn, ctx)
-        assert agreed(ctx, problem), f"rank {ctx.rank}: {problem or 'another rank saw a problem'}"
-        print(f"rank {ctx.rank}: {args.function} matches DistributedSampler on {len(list(cases(ctx.world_size)))} cases")
-    else:
-        assert agreed(ctx, verdict(sampler_shard, ctx)), "the checker rejects DistributedSampler itself"
-        rejected = {wrong.__name__: not agreed(ctx, verdict(wrong, ctx)) for wrong in (blocks, no_padding)}
-        if ctx.world_size > 1:
-            assert all(rejected.values()), f"the checker accepted a wrong answer: {rejected}"
-            print(f"rank {ctx.rank}: checker self-test: accepts DistributedSampler, rejects {sorted(rejected)}")
-        else:  # one rank: blocks, strides and padding all coincide, so there is nothing to reject
-            print("world size 1: the wrong answers are right here, so only the accepting half is tested")
-    lessonlib.teardown()
+    wrong = [blocks, no_padding]  # one rank: blocks, strides and padding all coincide, so both are right
+    run_checker(__doc__, verdict, shard, wrong, right_alone=wrong, passed="matches DistributedSampler on every case")
 
 
 if __name__ == "__main__":

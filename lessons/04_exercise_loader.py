@@ -15,11 +15,11 @@ same seed, as training scripts do. Checked on every rank, for two epochs (loader
   3. a second loader built with the same arguments, after the global RNGs have moved on, delivers
      exactly the same draws.
 The ranks agree on the verdict before anyone reports it. Without --solution the checker tests
-itself: a reference answer must pass, and DistributedSampler + two workers without a generator or a
-worker_init_fn must fail (at every world size: with one rank its held Generator still repeats).
+itself: the reference solution (the `solution` region, which the chapter shows) must pass, and
+DistributedSampler + two workers without a generator or a worker_init_fn must fail (at every world
+size: with one rank its held Generator still repeats). Loaders and draws stay on the CPU.
 """
 
-import argparse
 import collections
 import random
 
@@ -28,8 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import get_worker_info
 
-import lessonlib
-from lessonlib.exercises import load_function
+from lessonlib.exercises import run_checker
 
 SEED, SAMPLES, BATCH = 0, 24, 2
 SOURCES = ["torch", "random", "numpy", "held"]
@@ -116,23 +115,19 @@ def verdict(fn, ctx):
     return None
 
 
-def agreed(ctx, problem):
-    """True on every rank iff no rank saw a problem (so all ranks reach the same verdict)."""
-    ok = torch.tensor([0 if problem else 1])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
+# [start: solution]
+def make_loader(dataset, batch_size, seed, rank, world_size):
+    import numpy as np  # self-contained: a solution is sent to the checker alone
+    from torch.utils.data import DataLoader, DistributedSampler, get_worker_info
 
-
-def _reference_make_loader(dataset, batch_size, seed, rank, world_size):
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    def reseed_held(worker_id):
+    def reseed_held(worker_id):  # the dataset's own Generator was copied into this worker as it was
         info = get_worker_info()
         info.dataset.rng = np.random.default_rng(info.seed)
 
-    return DataLoader(dataset, batch_size, num_workers=2, worker_init_fn=reseed_held,
-                      sampler=DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed),
-                      generator=torch.Generator().manual_seed(seed + rank))
+    sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed)
+    return DataLoader(dataset, batch_size, sampler=sampler, num_workers=2, worker_init_fn=reseed_held,
+                      generator=torch.Generator().manual_seed(seed + rank))  # per rank, and reproducible
+# [end: solution]
 
 
 def shared_seeds_make_loader(dataset, batch_size, seed, rank, world_size):
@@ -144,26 +139,8 @@ def shared_seeds_make_loader(dataset, batch_size, seed, rank, world_size):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--solution", help="Python file defining the solution")
-    parser.add_argument("--function", default="make_loader", help="its name")
-    args = parser.parse_args()
-    fn = load_function(args.solution, args.function) if args.solution else None
-    ctx = lessonlib.setup()
-
-    if fn is not None:
-        problem = verdict(fn, ctx)
-        assert agreed(ctx, problem), f"rank {ctx.rank}: {problem or 'another rank saw a problem'}"
-        print(f"rank {ctx.rank}: {args.function}: every draw unique, every sample delivered, reproducible")
-    else:
-        problem = verdict(_reference_make_loader, ctx)
-        assert agreed(ctx, problem), f"rank {ctx.rank}: the checker rejects the reference answer: {problem}"
-        problem = verdict(shared_seeds_make_loader, ctx)
-        assert not agreed(ctx, problem), f"rank {ctx.rank}: the checker accepted shared_seeds_make_loader"
-        lessonlib.report("self_test", {"reference": "pass", "shared_seeds_make_loader": problem})
-        if ctx.is_main:
-            print(f"checker self-test: accepts the reference; rejects shared_seeds_make_loader: {problem}")
-    lessonlib.teardown()
+    run_checker(__doc__, verdict, make_loader, wrong=[shared_seeds_make_loader], timeout=30,
+                passed="delivers every sample, every draw unique, reproducible")
 
 
 if __name__ == "__main__":

@@ -12,20 +12,18 @@ mean squared error. It may call collectives (every rank calls it once per case).
 its DDP gradient with that reference on several cases, including a rank with a single row; the
 ranks agree on the verdict before anyone reports it.
 
-Without --solution the checker tests itself: a correct answer must pass, and two plausible wrong
-answers must fail: the plain per-rank mean, and the summed loss divided by the global row count
-(which forgets that DDP divides by the world size once more).
+Without --solution the checker tests itself: the reference solution (the `solution` region, which the
+chapter shows) must pass, and two plausible wrong answers must fail (at world size 1 both are right):
+the plain per-rank mean, and the summed loss divided by the global row count (which forgets that DDP
+divides by the world size once more).
 """
-
-import argparse
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import lessonlib
-from lessonlib.exercises import load_function
+from lessonlib.exercises import run_checker
 from lessonlib.training import flat_grads, global_batch, mlp, my_rows
 
 TOL = 1e-10
@@ -58,18 +56,13 @@ def verdict(fn, ctx):
     return None
 
 
-def agreed(ctx, problem):
-    """True on every rank iff no rank saw a problem (so all ranks reach the same verdict)."""
-    ok = torch.tensor([0 if problem else 1])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
-
-
+# [start: solution]
 def ddp_loss(pred, target):
     rows = torch.tensor([float(pred.shape[0])], dtype=pred.dtype)
-    dist.all_reduce(rows)  # rows on all ranks
-    # DDP will divide by the world size: multiply by it so that the sum over rows / all rows is left.
+    dist.all_reduce(rows)  # rows on all ranks together
+    # DDP divides by the world size; multiplying by it leaves (sum over all rows) / (all rows).
     return torch.nn.functional.mse_loss(pred, target, reduction="sum") * dist.get_world_size() / rows
+# [end: solution]
 
 
 def per_rank_mean(pred, target):
@@ -85,26 +78,8 @@ def sum_over_all_rows(pred, target):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--solution", help="Python file defining the solution")
-    parser.add_argument("--function", default="ddp_loss", help="its name")
-    args = parser.parse_args()
-    fn = load_function(args.solution, args.function) if args.solution else None
-    ctx = lessonlib.setup(device="cpu", timeout=20)
-
-    if fn is not None:
-        problem = verdict(fn, ctx)
-        assert agreed(ctx, problem), f"rank {ctx.rank}: {problem or 'another rank saw a problem'}"
-        print(f"rank {ctx.rank}: {args.function} gives the all-rows gradient on {len(list(cases(ctx.world_size)))} cases")
-    else:
-        assert agreed(ctx, verdict(ddp_loss, ctx)), "the checker rejects the correct answer"
-        rejected = {wrong.__name__: not agreed(ctx, verdict(wrong, ctx)) for wrong in (per_rank_mean, sum_over_all_rows)}
-        if ctx.world_size > 1:
-            assert all(rejected.values()), f"the checker accepted a wrong answer: {rejected}"
-            print(f"rank {ctx.rank}: checker self-test: accepts ddp_loss, rejects {sorted(rejected)}")
-        else:  # one rank holds all rows: every answer above is right
-            print("world size 1: the wrong answers are right here, so only the accepting half is tested")
-    lessonlib.teardown()
+    wrong = [per_rank_mean, sum_over_all_rows]  # one rank holds all rows: both are right there
+    run_checker(__doc__, verdict, ddp_loss, wrong, right_alone=wrong, passed="gives the all-rows gradient on every case")
 
 
 if __name__ == "__main__":

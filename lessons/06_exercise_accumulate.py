@@ -12,21 +12,18 @@ and all-reduce only once per step. Each rank checks two steps for k = 1, 2 and 4
 reference (to 1e-10) and counts DDP's all-reduces with a communication hook; the ranks agree on the
 verdict before anyone reports it.
 
-Without --solution the checker tests itself: a correct answer must pass, and three plausible wrong
-answers must fail: no 1/k scale, no no_sync (k all-reduces a step), and every micro-batch inside
-no_sync (no all-reduce at all, so the ranks drift apart).
+Without --solution the checker tests itself: the reference solution (the `solution` region, which the
+chapter shows) must pass, and three plausible wrong answers must fail: no 1/k scale, no no_sync (k
+all-reduces a step), and every micro-batch inside no_sync (no all-reduce at all, so the ranks drift
+apart).
 """
 
-import argparse
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import lessonlib
-from lessonlib.exercises import load_function
+from lessonlib.exercises import run_checker
 from lessonlib.training import flat_params, global_batch, mlp, my_rows
 
 TOL = 1e-10
@@ -63,21 +60,18 @@ def verdict(fn, ctx):
     return None
 
 
-def agreed(ctx, problem):
-    """True on every rank iff no rank saw a problem (so all ranks reach the same verdict)."""
-    ok = torch.tensor([0 if problem else 1])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
-
-
+# [start: solution]
 def accumulate_step(ddp, opt, micro_batches):
-    import contextlib  # self-contained: the notebook sends this function alone to the checker
+    import contextlib  # self-contained: a solution is sent to the checker alone
+
     k = len(micro_batches)
     opt.zero_grad()
     for i, (x, y) in enumerate(micro_batches):
+        # No all-reduce until the last micro-batch; its backward sends the accumulated sum.
         with ddp.no_sync() if i < k - 1 else contextlib.nullcontext():
             (torch.nn.functional.mse_loss(ddp(x), y) / k).backward()
     opt.step()
+# [end: solution]
 
 
 def no_scale(ddp, opt, micro_batches):
@@ -105,23 +99,8 @@ def all_in_no_sync(ddp, opt, micro_batches):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--solution", help="Python file defining the solution")
-    parser.add_argument("--function", default="accumulate_step", help="its name")
-    args = parser.parse_args()
-    fn = load_function(args.solution, args.function) if args.solution else None
-    ctx = lessonlib.setup(device="cpu", timeout=20)
-
-    if fn is not None:
-        problem = verdict(fn, ctx)
-        assert agreed(ctx, problem), f"rank {ctx.rank}: {problem or 'another rank saw a problem'}"
-        print(f"rank {ctx.rank}: {args.function} matches one process, with one all-reduce per step")
-    else:
-        assert agreed(ctx, verdict(accumulate_step, ctx)), "the checker rejects the correct answer"
-        rejected = {w.__name__: not agreed(ctx, verdict(w, ctx)) for w in (no_scale, no_no_sync, all_in_no_sync)}
-        assert all(rejected.values()), f"the checker accepted a wrong answer: {rejected}"
-        print(f"rank {ctx.rank}: checker self-test: accepts accumulate_step, rejects {sorted(rejected)}")
-    lessonlib.teardown()
+    run_checker(__doc__, verdict, accumulate_step, wrong=[no_scale, no_no_sync, all_in_no_sync],
+                passed="matches one process, with one all-reduce per step")
 
 
 if __name__ == "__main__":

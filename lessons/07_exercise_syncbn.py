@@ -13,18 +13,16 @@ scaled by rank. Every rank checks its answer on every case against the statistic
 (tolerance 1e-10), and the ranks agree on the verdict before anyone reports it. A solution that raises
 fails at once, on the rank where it raised, with its message.
 
-Without --solution the checker tests itself: the reference solution must pass, and three plausible wrong
-answers must fail: this rank's statistics alone, the average of the ranks' means and variances, and
-deviations from the average of the ranks' means (right whenever every rank holds as many rows).
+Without --solution the checker tests itself: the reference solution (the `solution` region, which the
+chapter shows) must pass, and three plausible wrong answers must fail (at world size 1 all are right):
+this rank's statistics alone, the average of the ranks' means and variances, and deviations from the
+average of the ranks' means (right whenever every rank holds as many rows).
 """
-
-import argparse
 
 import torch
 import torch.distributed as dist
 
-import lessonlib
-from lessonlib.exercises import load_function
+from lessonlib.exercises import run_checker
 
 TOL = 1e-10
 
@@ -95,20 +93,14 @@ def verdict(fn, ctx):
     return problem
 
 
-def agreed(ctx, problem):
-    """True on every rank iff no rank saw a problem (so all ranks reach the same verdict)."""
-    ok = torch.tensor([0 if problem else 1], device=ctx.device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
-
-
+# [start: solution]
 def global_batch_stats(x):
-    """Mean and biased variance of each column over every rank's rows: all-reduce sums, never means."""
     totals = torch.stack([x.sum(0), (x * x).sum(0), torch.full_like(x[0], x.shape[0])])
-    dist.all_reduce(totals)  # one collective for all three
+    dist.all_reduce(totals)  # sums of all ranks, in one collective: never average means over unequal counts
     count = totals[2]
     mean = totals[0] / count
     return mean, totals[1] / count - mean * mean
+# [end: solution]
 
 
 def local_only(x):
@@ -135,31 +127,10 @@ def mean_of_means(x):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--solution", help="Python file defining the solution")
-    parser.add_argument("--function", default="global_batch_stats", help="its name")
-    args = parser.parse_args()
-    fn = load_function(args.solution, args.function) if args.solution else None
-    ctx = lessonlib.setup(timeout=20)  # a solution that skips a collective on one rank: fail in 20 s
-
-    if fn is not None:
-        problem = verdict(fn, ctx)
-        assert agreed(ctx, problem), f"rank {ctx.rank}: {problem or 'another rank saw a problem'}"
-        print(f"rank {ctx.rank}: {args.function} gives the global batch's mean and variance on "
-              f"{len(cases(ctx.world_size))} cases")
-    else:
-        assert agreed(ctx, verdict(global_batch_stats, ctx)), "the checker rejects the reference solution"
-        problems = {wrong.__name__: verdict(wrong, ctx) for wrong in (local_only, average_of_ranks, mean_of_means)}
-        rejected = {name: not agreed(ctx, problem) for name, problem in problems.items()}
-        if ctx.world_size > 1:
-            assert all(rejected.values()), f"the checker accepted a wrong answer: {rejected}"
-            print(f"rank {ctx.rank}: checker self-test: accepts global_batch_stats, rejects {sorted(rejected)}")
-            if ctx.is_main:
-                for name, problem in problems.items():
-                    print(f"  {name}: {problem}")
-        else:  # one rank: its own rows are the global batch, so every answer here is right
-            print("world size 1: the wrong answers are right here, so only the accepting half is tested")
-    lessonlib.teardown()
+    wrong = [local_only, average_of_ranks, mean_of_means]  # one rank: its rows are the global batch
+    run_checker(__doc__, verdict, global_batch_stats, wrong, right_alone=wrong,
+                passed="gives the global batch's mean and variance on every case",
+                device=None)  # device=None: the rows go to ctx.device, GPUs (nccl) where there are
 
 
 if __name__ == "__main__":

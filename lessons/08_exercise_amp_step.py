@@ -13,21 +13,17 @@ steps next to a reference copy; at step 2 the last rank's batch overflows float1
 skipped everywhere. After every step the parameters must match the reference to 1e-6 and the scale
 must equal the reference's; the ranks agree on the verdict before anyone reports it.
 
-Without --solution the checker tests itself: the correct answer must pass, and so must a variant that
-calls backward inside the autocast block; four plausible wrong answers must fail: clipping before
-unscale_, no scaler.update(), opt.step() instead of scaler.step(opt) (it applies the inf step), and a
-backward of the unscaled loss.
+Without --solution the checker tests itself: the reference solution (the `solution` region, which the
+chapter shows) must pass, and so must a variant that calls backward inside the autocast block; four
+plausible wrong answers must fail: clipping before unscale_, no scaler.update(), opt.step() instead of
+scaler.step(opt) (it applies the inf step), and a backward of the unscaled loss.
 """
 
-import argparse
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import lessonlib
-from lessonlib.exercises import load_function
+from lessonlib.exercises import run_checker
 from lessonlib.training import flat_params
 
 STEPS, BAD_STEP, MAX_NORM, TOL = 6, 2, 0.5, 1e-6
@@ -68,22 +64,17 @@ def verdict(fn, ctx):
     return None
 
 
-def agreed(ctx, problem):
-    """True on every rank iff no rank saw a problem (so all ranks reach the same verdict)."""
-    ok = torch.tensor([0 if problem else 1])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
-
-
+# [start: solution]
 def amp_step(ddp, opt, scaler, x, y, max_norm):
     opt.zero_grad()
-    with torch.autocast(x.device.type, dtype=torch.float16):  # forward and loss
+    with torch.autocast(x.device.type, dtype=torch.float16):  # forward and loss, not backward
         loss = torch.nn.functional.mse_loss(ddp(x), y)
-    scaler.scale(loss).backward()
-    scaler.unscale_(opt)  # true gradients, so that max_norm means what it says
+    scaler.scale(loss).backward()  # DDP all-reduces the scaled gradients
+    scaler.unscale_(opt)  # true gradients from here on, so that max_norm means what it says
     torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)
-    scaler.step(opt)  # skipped if the all-reduced gradients hold an inf or NaN
+    scaler.step(opt)  # skipped if any rank overflowed: the all-reduced gradients hold an inf or NaN
     scaler.update()
+# [end: solution]
 
 
 def backward_inside(ddp, opt, scaler, x, y, max_norm):
@@ -140,25 +131,9 @@ def unscaled_backward(ddp, opt, scaler, x, y, max_norm):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--solution", help="Python file defining the solution")
-    parser.add_argument("--function", default="amp_step", help="its name")
-    args = parser.parse_args()
-    fn = load_function(args.solution, args.function) if args.solution else None
-    ctx = lessonlib.setup(device="cpu", timeout=20)
-
-    if fn is not None:
-        problem = verdict(fn, ctx)
-        assert agreed(ctx, problem), f"rank {ctx.rank}: {problem or 'another rank saw a problem'}"
-        print(f"rank {ctx.rank}: {args.function} matches the reference at every step, the skipped one included")
-    else:
-        assert agreed(ctx, verdict(amp_step, ctx)), "the checker rejects the correct answer"
-        assert agreed(ctx, verdict(backward_inside, ctx)), "the checker rejects a backward inside autocast"
-        wrong = (clip_before_unscale, no_update, optimizer_step, unscaled_backward)
-        rejected = {w.__name__: not agreed(ctx, verdict(w, ctx)) for w in wrong}
-        assert all(rejected.values()), f"the checker accepted a wrong answer: {rejected}"
-        print(f"rank {ctx.rank}: checker self-test: accepts amp_step and backward_inside, rejects {sorted(rejected)}")
-    lessonlib.teardown()
+    run_checker(__doc__, verdict, amp_step, also_right=[backward_inside],
+                wrong=[clip_before_unscale, no_update, optimizer_step, unscaled_backward],
+                passed="matches the reference at every step, the skipped one included")
 
 
 if __name__ == "__main__":

@@ -13,19 +13,17 @@ dataset. Every rank checks it (to 1e-12) on padded DistributedSampler shares (10
 shuffled) and on unpadded uneven shares (101 and 2 items: with 3 or more ranks some rank has none).
 The ranks agree on the verdict before anyone reports it.
 
-Every run also tests the checker itself: the reference answer must pass, and four classic wrong answers
-must fail wherever there is more than one rank: keeping the padding duplicates, the mean of per-rank
-means, removing duplicates on each rank only, and this rank's accuracy alone.
+Without --solution the checker tests itself: the reference solution (the `solution` region, which the
+chapter shows) must pass, and four classic wrong answers must fail wherever there is more than one rank:
+keeping the padding duplicates, the mean of per-rank means, removing duplicates on each rank only, and
+this rank's accuracy alone.
 """
-
-import argparse
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-import lessonlib
-from lessonlib.exercises import load_function
+from lessonlib.exercises import run_checker
 
 TOL = 1e-12
 
@@ -62,18 +60,14 @@ def verdict(fn, ctx):
     return None
 
 
-def agreed(ctx, problem):
-    """True on every rank iff no rank saw a problem (so all ranks reach the same verdict)."""
-    ok = torch.tensor([0 if problem else 1])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
-
-
+# [start: solution]
 def global_accuracy(indices, correct):
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, list(zip(indices.tolist(), correct.tolist())))
-    unique = dict(pair for share in everyone for pair in share)  # a duplicate has the same answer
+    # One entry per index: a padding duplicate carries the same answer as its original.
+    unique = dict(pair for share in everyone for pair in share)
     return sum(unique.values()) / len(unique)
+# [end: solution]
 
 
 def keeps_duplicates(indices, correct):
@@ -100,26 +94,9 @@ def local_only(indices, correct):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--solution", help="Python file defining the solution")
-    parser.add_argument("--function", default="global_accuracy", help="its name")
-    args = parser.parse_args()
-    fn = load_function(args.solution, args.function) if args.solution else None
-    ctx = lessonlib.setup(device="cpu", timeout=20)  # a wrong answer may leave ranks waiting: 20 s, not 30
-
-    if fn is not None:
-        problem = verdict(fn, ctx)
-        assert agreed(ctx, problem), f"rank {ctx.rank}: {problem or 'another rank saw a problem'}"
-        print(f"rank {ctx.rank}: {args.function} gives one process's accuracy on {len(list(cases(ctx)))} cases")
-    assert agreed(ctx, verdict(global_accuracy, ctx)), "the checker rejects the reference answer"
-    wrong = (keeps_duplicates, mean_of_means, dedupes_locally, local_only)
-    rejected = {f.__name__: not agreed(ctx, verdict(f, ctx)) for f in wrong}
-    if ctx.world_size > 1:
-        assert all(rejected.values()), f"the checker accepted a wrong answer: {rejected}"
-        print(f"rank {ctx.rank}: checker self-test: accepts global_accuracy, rejects {sorted(rejected)}")
-    else:  # one rank: no padding and nobody to weigh against, so the wrong answers are right here
-        print("world size 1: the wrong answers are right here, so only the accepting half is tested")
-    lessonlib.teardown()
+    wrong = [keeps_duplicates, mean_of_means, dedupes_locally, local_only]  # one rank: no padding, nobody to weigh
+    run_checker(__doc__, verdict, global_accuracy, wrong, right_alone=wrong,
+                passed="gives one process's accuracy on every case")
 
 
 if __name__ == "__main__":

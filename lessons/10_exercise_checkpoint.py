@@ -16,12 +16,12 @@ returns (a barrier). Afterwards `path` is a new file, with nothing else left in 
 load_checkpoint must return the epoch and leave every rank's parameters and momentum equal to the
 file's, on the CPU. The file says its tensors were saved on cuda:0, so without map_location torch.load
 fails (no GPU) or initializes CUDA and fills GPU 0.
-Without --solution the checker tests itself: it accepts the reference answers and rejects
-ddp.state_dict(), a direct torch.save, every rank writing, no barrier, rank 0 alone loading, and no
-map_location (at world size 1, only the mistakes one rank can make).
+Without --solution the checker tests itself: it accepts the reference solution (the `solution` region,
+which the chapter shows) and rejects ddp.state_dict(), a direct torch.save, every rank writing, no
+barrier, rank 0 alone loading, and no map_location (at world size 1, only the mistakes one rank can
+make).
 """
 
-import argparse
 import collections
 import os
 import time
@@ -31,8 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import lessonlib
-from lessonlib.exercises import load_function
+from lessonlib.exercises import checker_options, load_function, run_checker
 from lessonlib.training import flat_params, global_batch, mlp, my_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -166,23 +165,26 @@ def verdict(fn, ctx, parent=None):
         return first_problem(problem, ctx)
 
 
+# [start: solution]
 def save_checkpoint(path, ddp, opt, epoch):
-    import os
+    import os  # self-contained: a solution is sent to the checker alone
     import tempfile
-    if dist.get_rank() == 0:
+
+    if dist.get_rank() == 0:  # one writer: the replicas are equal
         state = {"model": ddp.module.state_dict(), "opt": opt.state_dict(), "epoch": epoch}
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)))
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)))  # same file system
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
-        os.replace(tmp, path)
-    dist.barrier()
+        os.replace(tmp, path)  # the old file or the new one, never half of one
+    dist.barrier()  # nobody goes on (and reads) before the file is complete
 
 
 def load_checkpoint(path, ddp, opt):
-    state = torch.load(path, map_location="cpu")
+    state = torch.load(path, map_location="cpu")  # every rank; the file may name cuda:0
     ddp.module.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
+    opt.load_state_dict(state["opt"])  # DDP broadcasts none of this
     return state["epoch"]
+# [end: solution]
 
 
 def saver(prefix=False, in_place=False, every_rank=False, barrier=True):
@@ -217,25 +219,11 @@ ONE_RANK_CANNOT = {"every rank writes", "no barrier", "rank 0 alone loads"}  # m
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--solution", help="Python file defining the solution")
-    parser.add_argument("--function", default="save_checkpoint", help="its name: save_... or load_...")
+    parser = checker_options(__doc__, "save_checkpoint")  # --function load_checkpoint checks loading
     parser.add_argument("--dir", help="where to make the checkpoint folder (a shared file system with several nodes)")
     args = parser.parse_args()
-    ctx = lessonlib.setup(device="cpu", timeout=20)
-    if args.solution:
-        fn = load_function(args.solution, args.function)
-        problem = verdict(fn, ctx, args.dir)
-        assert problem is None, problem
-        print(f"rank {ctx.rank}: {args.function} passes every check")
-    else:
-        for good in (save_checkpoint, load_checkpoint):
-            assert verdict(good, ctx, args.dir) is None, f"the checker rejects {good.__name__}: {verdict(good, ctx)}"
-        rejected = {name for name, wrong in WRONG.items() if verdict(wrong, ctx, args.dir)}
-        expected = set(WRONG) - (ONE_RANK_CANNOT if ctx.world_size == 1 else set())
-        assert rejected == expected, f"the checker accepted {sorted(expected - rejected)}"
-        print(f"rank {ctx.rank}: checker self-test: accepts the reference answers, rejects {sorted(rejected)}")
-    lessonlib.teardown()
+    run_checker(__doc__, lambda fn, ctx: verdict(fn, ctx, args.dir), [save_checkpoint, load_checkpoint], WRONG,
+                right_alone=ONE_RANK_CANNOT, passed="passes every check", args=args)
 
 
 if __name__ == "__main__":

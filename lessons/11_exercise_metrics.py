@@ -16,19 +16,17 @@ reduce_sums and the two divisions after it do. Each rank checks two cases agains
            made from Python numbers is float32 unless told otherwise)
 The ranks agree on the verdict before anyone reports it.
 
-Without --solution the checker tests itself: the correct answer must pass, and four wrong ones must
-fail: the mean of means (the widely copied reduce_mean), float32 totals, no reduction at all, and
-dist.reduce to rank 0 (on the other ranks the buffer is not the totals, chapter 9). At world size 1
-the mean of means, no reduction and reduce-to-0 are right, so only float32 can be rejected there.
+Without --solution the checker tests itself: the reference solution (the `solution` region, which the
+chapter shows) must pass, and four wrong ones must fail: the mean of means (the widely copied
+reduce_mean), float32 totals, no reduction at all, and dist.reduce to rank 0 (on the other ranks the
+buffer is not the totals, chapter 9). At world size 1 the mean of means, no reduction and reduce-to-0
+are right, so only float32 can be rejected there.
 """
-
-import argparse
 
 import torch
 import torch.distributed as dist
 
-import lessonlib
-from lessonlib.exercises import load_function
+from lessonlib.exercises import run_checker
 
 REL_TOL = 1e-12
 
@@ -45,12 +43,12 @@ def expected(case, world_size):
     return sums[0] / sums[2], sums[1] / sums[2]
 
 
-def verdict(fn, rank, world_size):
+def verdict(fn, ctx):
     """None if fn gives the exact metrics on this rank in every case; else the first thing that went wrong.
 
     Every case runs on every rank, even after a failure: fn's collectives must pair up across ranks.
     """
-    problems = []
+    rank, world_size, problems = ctx.rank, ctx.world_size, []
     for case in ("uneven", "large"):
         try:
             got = [float(v) for v in fn(*holdings(case, rank))]
@@ -59,23 +57,18 @@ def verdict(fn, rank, world_size):
             continue
         for name, g, w in zip(("mean loss", "accuracy"), got, expected(case, world_size)):
             if abs(g - w) > REL_TOL * abs(w):
-                problems.append(f"{case}: rank {rank} got {name} {g!r}, expected {w!r} "
+                problems.append(f"{case}: got {name} {g!r}, expected {w!r} "
                                 f"(relative error {abs(g - w) / abs(w):.1e})")
     return problems[0] if problems else None
 
 
-def agreed(problem):
-    """True on every rank iff no rank saw a problem."""
-    ok = torch.tensor([0 if problem else 1])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
-
-
+# [start: solution]
 def epoch_metrics(loss_sum, correct, count):
     totals = torch.tensor([loss_sum, correct, count], dtype=torch.float64)  # float64: counts stay exact
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every rank calls it, every rank gets the sums
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count
+# [end: solution]
 
 
 # [start: wrong]
@@ -103,25 +96,9 @@ def reduce_to_rank0(loss_sum, correct, count):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--solution", help="Python file defining the solution")
-    parser.add_argument("--function", default="epoch_metrics", help="its name")
-    args = parser.parse_args()
-    fn = load_function(args.solution, args.function) if args.solution else None
-    ctx = lessonlib.setup(device="cpu", timeout=20)  # a wrong answer may leave ranks waiting: fail in 20 s
-    rank, world_size = ctx.rank, ctx.world_size
-
-    if fn is not None:
-        problem = verdict(fn, rank, world_size)
-        assert agreed(problem), f"rank {rank}: {problem or 'another rank saw a problem'}"
-        print(f"rank {rank}: {args.function} gives the exact mean loss and accuracy of all {world_size} ranks")
-    else:
-        assert agreed(verdict(epoch_metrics, rank, world_size)), "the checker rejects the correct answer"
-        wrong = [float32_totals] + ([mean_of_means, no_reduce, reduce_to_rank0] if world_size > 1 else [])
-        rejected = {w.__name__: not agreed(verdict(w, rank, world_size)) for w in wrong}
-        assert all(rejected.values()), f"the checker accepted a wrong answer: {rejected}"
-        print(f"rank {rank}: checker self-test: accepts epoch_metrics, rejects {sorted(rejected)}")
-    lessonlib.teardown()
+    run_checker(__doc__, verdict, epoch_metrics, wrong=[float32_totals, mean_of_means, no_reduce, reduce_to_rank0],
+                right_alone=[mean_of_means, no_reduce, reduce_to_rank0],  # right when one rank holds everything
+                passed="gives the exact mean loss and accuracy of all ranks")
 
 
 if __name__ == "__main__":

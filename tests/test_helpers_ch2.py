@@ -4,6 +4,7 @@ check_function is tested end to end: real torchrun, real gloo, the chapter's own
 """
 
 import datetime
+import inspect
 import re
 import subprocess
 import sys
@@ -47,19 +48,25 @@ def gather_with_all_reduce(tensor_list, tensor):
 
 
 def test_check_function_accepts_a_correct_solution():
-    run = lessonlib.check_function(gather_by_broadcast, CHECKER, nproc=3, show="none")
+    run = lessonlib.check_function(gather_by_broadcast, CHECKER, nproc=3)
     assert run.ok and all("gathers like dist.all_gather" in r.stdout for r in run.ranks)
 
 
 def test_check_function_rejects_a_wrong_solution_and_says_why():
     with pytest.raises(AssertionError, match=r"tensor_list\[1\] is \[1, 1, 1\], rank 1 sent 11"):
-        lessonlib.check_function(gather_in_place, CHECKER, nproc=3, show="none")
+        lessonlib.check_function(gather_in_place, CHECKER, nproc=3)
 
 
 @pytest.mark.parametrize("fn", [gather_with_all_gather, gather_with_all_reduce], ids=lambda f: f.__name__)
 def test_check_function_enforces_the_rules_of_the_exercise(fn):
     with pytest.raises(AssertionError, match="other collectives are off"):
-        lessonlib.check_function(fn, CHECKER, nproc=2, show="none")
+        lessonlib.check_function(fn, CHECKER, nproc=2)
+
+
+def test_check_function_defaults_are_what_the_chapters_want():
+    """The chapters call check_function(fn, checker, nproc=n): quiet (the verdict is the result), bounded."""
+    defaults = {k: p.default for k, p in inspect.signature(lessonlib.check_function).parameters.items()}
+    assert (defaults["timeout"], defaults["show"]) == (120, "none"), defaults
 
 
 def test_check_function_refuses_what_has_no_source_before_launching():
