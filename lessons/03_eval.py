@@ -83,7 +83,7 @@ def main():
     parser.add_argument("--log-every-batch", action="store_true", help="the pitfall: a collective per batch")
     parser.add_argument("--pg-timeout", type=float, default=None, help="process-group timeout in seconds")
     args = parser.parse_args()
-    ctx = lessonlib.setup(timeout=args.pg_timeout)
+    ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)  # CPU tensors: gloo, GPUs or not
     n, b, w = args.size, args.batch_size, ctx.world_size
     truth = is_correct(torch.arange(n)).sum().item() / n  # one process, every sample once
 
