@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import _runfolder as runfolder
 
-DEFAULT_TIMEOUT = 30.0  # seconds; LESSONLIB_PG_TIMEOUT or setup(timeout=...) overrides it
+DEFAULT_TIMEOUT = 30.0  # seconds; setup(timeout=...) overrides it
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def setup(backend=None, timeout=None, device=None):
         if backend == "nccl":
             raise ValueError("device='cpu' needs a backend that reduces CPU tensors (gloo); nccl was asked for")
     backend = backend or pick_backend(local_world_size)
-    timeout = float(timeout if timeout is not None else os.environ.get("LESSONLIB_PG_TIMEOUT", DEFAULT_TIMEOUT))
+    timeout = float(timeout if timeout is not None else DEFAULT_TIMEOUT)
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
