@@ -3,7 +3,8 @@
 A lesson test at world size N starts N real processes that meet through real gloo, each running the
 lesson file as `python lessons/X.py` would, with the environment torchrun gives a rank. What this
 module saves is the imports in each of them: torch (about 2 CPU-seconds), torch._dynamo (1.5 more,
-pulled in by the first optimizer any training lesson builds), lessonlib, torchmetrics, torchvision.
+pulled in by the first optimizer any training lesson builds), torchmetrics, torchvision: third-party
+packages only, never lessonlib, whose modules each rank imports as the lesson asks (a fresh start).
 The lesson tests start some 450 ranks: measured on the 2-core build machine, the lesson tests took
 1438 CPU-seconds with an import per rank and 333 with the imports preloaded.
 

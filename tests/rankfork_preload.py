@@ -15,13 +15,9 @@ import torch.nn.parallel  # noqa: E402,F401
 # torchmetrics (chapter 9), which also pulls in torchvision and scipy: pay once, not once per rank.
 import torch._dynamo  # noqa: E402,F401
 import torchmetrics  # noqa: E402,F401
-# What the lessons themselves import beyond torch: lessonlib and the digits data's pipeline
-# (torchvision's transforms; lessonlib.digits reads scikit-learn's data file without importing it),
-# tqdm (chapter 11).
+# What the lessons import beyond torch: torchvision's transforms (the digits pipeline) and tqdm
+# (chapter 11). Third-party packages only: lessonlib is the course's own, and each rank imports what
+# the lesson imports of it, as a fresh `python` would, so a lesson that forgets `import
+# lessonlib.training` fails here as it fails for a reader (tests/test_lessons.py checks that).
 import torchvision.transforms.v2  # noqa: E402,F401
 import tqdm  # noqa: E402,F401
-
-import lessonlib  # noqa: E402,F401
-import lessonlib.digits  # noqa: E402,F401
-import lessonlib.exercises  # noqa: E402,F401
-import lessonlib.training  # noqa: E402,F401

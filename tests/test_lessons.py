@@ -284,3 +284,21 @@ def test_lesson_runs(lesson, world_size, request, tmp_path):
     codes, outputs = run_ranks(lesson, world_size, tmp_path)
     failed = [r for r, c in enumerate(codes) if c != 0]
     assert not failed, "\n".join(f"--- rank {r}: exit {codes[r]}\n{outputs[r][-4000:]}" for r in failed)
+
+
+def test_a_lesson_missing_an_import_of_its_own_fails(tmp_path):
+    """The fork server preloads third-party packages only, so the ranks import lessonlib's modules as a
+    fresh `python` does: a lesson that uses lessonlib.training after a bare `import lessonlib` fails
+    here, as it fails for a reader; with the import it passes."""
+    body = ("import lessonlib{extra}\n\nctx = lessonlib.setup(device='cpu')\ntry:\n"
+            "    lessonlib.training.mlp()\nfinally:\n    lessonlib.teardown()\n")
+    missing = tmp_path / "99_missing_import.py"
+    missing.write_text(body.format(extra=""))
+    code, out = run_alone(missing, tmp_path)
+    assert code != 0 and "has no attribute 'training'" in out, f"exit {code}:\n{out[-3000:]}"
+    codes, outputs = run_ranks(missing, 2, tmp_path)
+    assert all(c != 0 for c in codes) and all("has no attribute 'training'" in o for o in outputs), (codes, outputs)
+    fixed = tmp_path / "99_with_import.py"
+    fixed.write_text(body.format(extra="\nimport lessonlib.training"))
+    codes, outputs = run_ranks(fixed, 2, tmp_path)
+    assert codes == [0, 0], outputs
