@@ -189,8 +189,9 @@ def _agent_command(spec, node, run_id, run_dir, port):
     legacy = spec.launcher != "torchrun"
     cmd = [sys.executable, "-m", "lessonlib._agent_main", *(["--legacy"] if legacy else []),
            f"--nproc-per-node={spec.nproc}", "--local-addr=127.0.0.1"]
-    if not legacy:  # its log folder, else a torchelastic_* folder in /tmp per run, never removed
-        cmd += [f"--log-dir={runfolder.torchrun_log_dir(run_dir, node)}"]
+    # Its log folder in the run folder: otherwise each run leaves a torchelastic_* folder in /tmp for good
+    # (the deprecated launcher too: it takes the same option).
+    cmd += [f"--log-dir={runfolder.torchrun_log_dir(run_dir, node)}"]
     if spec.nnodes == 1:
         cmd += ["--standalone"]
     elif spec.rendezvous == "c10d":

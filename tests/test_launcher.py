@@ -466,3 +466,19 @@ def test_run_folder_protocol_is_spelled_once():
     spelled = [(path.relative_to(ROOT), name) for path in sides if path.name != "_runfolder.py"
                for name in RUN_FOLDER_NAMES if name in path.read_text()]
     assert spelled == [], f"run-folder names spelled outside lessonlib/_runfolder.py: {spelled}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("launcher", ["torchrun", "torch.distributed.launch"])
+def test_a_run_leaves_nothing_in_the_temporary_folder(tmp_path, launcher):
+    """torchrun (and the deprecated launcher) write a torchelastic_* log folder per run into the
+    temporary folder and never remove it; a launch puts it inside its run folder, which it removes."""
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
+    script = ROOT / "lessons" / "01_legacy_launch.py"  # runs under both launchers
+    code = (f"import lessonlib\nlessonlib.launch({str(script)!r}, nproc=2, timeout=120, show='none', "
+            f"launcher={launcher!r}).raise_for_status()\n")
+    child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=200,
+                           env={**os.environ, "TMPDIR": str(own_tmp)})
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert sorted(p.name for p in own_tmp.iterdir()) == [], "left in the temporary folder"
