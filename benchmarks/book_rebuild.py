@@ -19,12 +19,13 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from lessonlib.runprocs import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
@@ -45,17 +46,12 @@ def copy_course(dest):
 def build(course, env):
     """One `jupyter-book build book` in the copy: (seconds, {chapter: seconds executed}, log)."""
     started = time.monotonic()
-    proc = subprocess.Popen([str(JUPYTER_BOOK), "build", "book", "-W", "-n", "--keep-going"], cwd=course, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=BUILD_TIMEOUT)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
+    done = run_bounded([JUPYTER_BOOK, "build", "book", "-W", "-n", "--keep-going"], BUILD_TIMEOUT, cwd=course,
+                       env=env)
     seconds = time.monotonic() - started
-    if proc.returncode != 0:
-        raise SystemExit(f"the build failed (exit {proc.returncode}):\n{log[-5000:]}")
+    if done.timed_out or done.returncode != 0:
+        what = f"did not finish in {BUILD_TIMEOUT} s" if done.timed_out else f"failed (exit {done.returncode})"
+        raise SystemExit(f"the build {what}:\n{done.output[-5000:]}")
     report = json.loads((course / "_build" / "lessonlib-execution.json").read_text())
     return seconds, {Path(p).stem: s for p, s in report["executed"].items()}, report
 

@@ -30,13 +30,14 @@ import hashlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
+
+from .runprocs import kill_session, marked_environment
 
 ROOT = Path(__file__).resolve().parent.parent  # the course checkout: lessons/ and book/ live here
 LESSON_PATH = re.compile(r"""["']((?:\.\./)?lessons/[\w./-]+\.py)["']""")
@@ -123,16 +124,16 @@ def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print):
                 path = pending.pop(0)
                 out = scratch / f"{len(executed) + len(running) + len(failures)}-{path.name}"
                 logfile = open(scratch / f"{out.stem}.log", "w+")
+                env, mark = marked_environment()
                 proc = subprocess.Popen([sys.executable, "-m", "lessonlib._execute_notebook", str(path), str(out),
-                                         str(cell_timeout)], cwd=ROOT, stdout=logfile, stderr=subprocess.STDOUT,
-                                        text=True, start_new_session=True)
-                running[path] = (proc, logfile, out, time.monotonic())
-            for path, (proc, logfile, out, started) in list(running.items()):
+                                         str(cell_timeout)], cwd=ROOT, env=env, stdout=logfile,
+                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                running[path] = (proc, mark, logfile, out, time.monotonic())
+            for path, (proc, mark, logfile, out, started) in list(running.items()):
                 late = time.monotonic() - started > timeout
                 if proc.poll() is None and not late:
                     continue
-                if late:
-                    _kill(proc)
+                kill_session(proc, mark)  # a late executor, or what a finished one left (its kernel's launches)
                 logfile.seek(0)
                 text = logfile.read()
                 logfile.close()
@@ -148,19 +149,10 @@ def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print):
                                                             else "FAILED"))
             time.sleep(0.2)
     finally:
-        for proc, logfile, _, _ in running.values():
-            _kill(proc)
+        for proc, mark, logfile, _, _ in running.values():
+            kill_session(proc, mark)  # the executor, its kernel and every launch that kernel started
             logfile.close()
     return times, failures, executed, scratch
-
-
-def _kill(proc):
-    """The executor and everything in its session (the kernel, the launches it started)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def _note(app, docname, source):

@@ -58,7 +58,7 @@ def pick_backend(local_world_size):
     torch.cuda.is_available(), not torch.accelerator.current_accelerator(): the latter names 'cuda'
     on a CUDA build of torch even when the machine has no GPU.
     """
-    forced = os.environ.get("LESSONLIB_BACKEND")
+    forced = os.environ.get(runfolder.BACKEND_VAR)
     if forced:
         return forced
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size and dist.is_nccl_available():
@@ -85,7 +85,7 @@ def setup(backend=None, timeout=None, device=None):
     local_rank, local_world_size = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
     group_rank = _env_int("GROUP_RANK", 0)
     if device == "cpu":
-        backend = backend or os.environ.get("LESSONLIB_BACKEND") or "gloo"
+        backend = backend or os.environ.get(runfolder.BACKEND_VAR) or "gloo"
         if backend == "nccl":
             raise ValueError("device='cpu' needs a backend that reduces CPU tensors (gloo); nccl was asked for")
     backend = backend or pick_backend(local_world_size)

@@ -208,6 +208,9 @@ class Ending:
     interrupted: bool
     gone_at: dict  # {rank: time.time() when the launcher saw its process disappear}
     leftovers: list  # processes found alive after the run's own kill (a launcher bug if any)
+    # {rank: exit code} as the ranks' parent saw it, where that is the caller itself (the lesson tests
+    # fork their ranks); under torchrun, its failure summary says it instead.
+    exitcodes: dict = field(default_factory=dict)
 
 
 def read_result(spec, run_dir, ending):
@@ -221,7 +224,7 @@ def read_result(spec, run_dir, ending):
     for rank in range(spec.world_size):
         r, recorded_exit = _as_recorded(run_dir, rank)
         if r.start is not None and not recorded_exit:
-            _judge_unrecorded(r, ending, from_torchrun.get(rank))
+            _judge_unrecorded(r, ending, from_torchrun.get(rank, ending.exitcodes.get(rank)))
         ranks.append(r)
     return RunResult(spec.shown, list(spec.args), spec.nproc, spec.nnodes, ranks, launcher_output,
                      ending.returncodes, ending.wall_time, spec.timeout, ending.timed_out, ending.interrupted,

@@ -3,38 +3,57 @@
 Every process of a launch carries the run's marker in its environment (lessonlib._runfolder.RUN_ID_VAR).
 torchrun puts its workers in sessions of their own, and a rank's children (DataLoader workers) may
 outlive their parent, so neither a process tree nor a session finds them all: the marker does.
+
+`run_bounded` applies the same rule to any command (a script that spawns its own ranks, a book build,
+a notebook run): it runs in a session of its own with a marker, for at most `timeout` seconds, and
+whatever way it ends, every process carrying the marker is killed. The launcher, the tests, the book's
+executor and chapter 11 all go through it (or, for torchrun launches, `dump_stacks_then_kill`).
 """
 
 import os
 import signal
+import subprocess
+import tempfile
 import time
+import uuid
+from dataclasses import dataclass
 
 import psutil
 
 from . import _runfolder as runfolder
 
 STACK_DUMP_GRACE = 2.0  # seconds a hung rank gets to print its stack before it is killed
+# Every process of a run_bounded command carries this, a list of ids: one per run_bounded it runs
+# inside (a bounded command may start bounded commands; killing the outer one reaches them all).
+BOUNDED_VAR = "LESSONLIB_BOUNDED_IDS"
 
 
-def run_processes(run_id):
-    """Every live process whose environment carries this run's marker (children of children too)."""
+def marked_processes(var, value):
+    """Every live process (not this one) whose environment has `var` set to `value`, or to a
+    colon-separated list that holds it."""
     found = []
     for p in psutil.process_iter():
         if p.pid == os.getpid():
             continue
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(runfolder.RUN_ID_VAR) == run_id:
+            if p.status() != psutil.STATUS_ZOMBIE and value in p.environ().get(var, "").split(":"):
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             pass
     return found
 
 
+def run_processes(run_id):
+    """Every live process whose environment carries this run's marker (children of children too)."""
+    return marked_processes(runfolder.RUN_ID_VAR, run_id)
+
+
 def kill_all(procs):
+    """SIGKILL each of `procs` (psutil.Process objects) and wait for them to go, at most 5 s."""
     for p in procs:
         try:
             p.kill()
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     psutil.wait_procs(procs, timeout=5)
 
@@ -93,3 +112,70 @@ def dump_stacks_then_kill(run_id, watch):
             break
         sizes = now
     kill_all(run_processes(run_id))
+
+
+@dataclass(frozen=True)
+class Finished:
+    """How a run_bounded command ended. `stderr` is None when it was merged into `stdout`."""
+
+    argv: list
+    returncode: int
+    stdout: str
+    stderr: str | None
+    seconds: float
+    timed_out: bool
+
+    @property
+    def output(self):
+        return self.stdout if self.stderr is None else self.stdout + self.stderr
+
+
+def run_bounded(argv, timeout, *, cwd=None, env=None, merge_output=True):
+    """Run `argv` in a session of its own for at most `timeout` seconds, then kill every process it
+    started, whether it finished, timed out or was interrupted (Ctrl-C is re-raised after the kill).
+
+    `env`: the whole environment (default: this process's). Output is captured as text; with
+    merge_output, stderr goes into stdout. The command has ended when its own process exits, even if
+    something it left behind still holds its output open (output goes to files, not pipes, for that).
+    Never raises on failure or timeout: read the Finished.
+    """
+    env, mark = marked_environment(env)
+    started = time.monotonic()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([str(a) for a in argv], cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT if merge_output else err, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            kill_session(proc, mark)
+        texts = []
+        for f in (out, err):
+            f.seek(0)
+            texts.append(f.read().decode("utf-8", errors="replace"))
+    return Finished([str(a) for a in argv], proc.returncode, texts[0], None if merge_output else texts[1],
+                    time.monotonic() - started, timed_out)
+
+
+def marked_environment(env=None):
+    """(env with a new run_bounded mark added, the mark): for a command started some other way
+    (with start_new_session=True) that kill_session(proc, mark) must end with all it started."""
+    mark = uuid.uuid4().hex
+    env = dict(os.environ if env is None else env)
+    env[BOUNDED_VAR] = ":".join(filter(None, [env.get(BOUNDED_VAR), mark]))
+    return env, mark
+
+
+def kill_session(proc, mark=None):
+    """Kill a process started with start_new_session=True, its whole session, and (given the `mark`
+    of run_bounded) every process that carries the mark wherever it went (sessions of their own)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()  # reaped here, before the scan: psutil would reap it otherwise, and its exit code be lost
+    if mark is not None:
+        kill_all(marked_processes(BOUNDED_VAR, mark))

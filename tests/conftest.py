@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from lessonlib._runfolder import RUN_ID_VAR
+from lessonlib.runprocs import BOUNDED_VAR, kill_all, marked_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 SESSION_VAR = "COURSE_TESTS_SESSION"  # not LESSONLIB_*: that prefix is the launcher's own
@@ -36,14 +37,10 @@ def _is_ours(proc, me):
         return False
 
 
-# Every process of a lesson's docstring command run as pasted (tests/test_lessons.py) carries this.
-COMMAND_VAR = "COURSE_TESTS_COMMAND_RUN"
-
-
 def _looks_like_launch(proc):
     try:
         environ = proc.environ()
-        if RUN_ID_VAR in environ or COMMAND_VAR in environ:
+        if RUN_ID_VAR in environ or BOUNDED_VAR in environ:  # a launch's, or a run_bounded command's
             return True
         cmdline = " ".join(proc.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
@@ -74,25 +71,9 @@ def _describe(proc):
         return f"pid {proc.pid} (gone while being described)"
 
 
-def processes_with_env(name, value):
-    """Live (non-zombie) processes whose environment has name=value, wherever they sit in the tree."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(name) == value:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            pass
-    return found
-
-
-def kill_processes(procs):
-    for proc in procs:
-        try:
-            proc.kill()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    psutil.wait_procs(procs, timeout=5)
+# Shared with the launcher: every test finds and kills processes by a marker the same way it does.
+processes_with_env = marked_processes
+kill_processes = kill_all
 
 
 def leaked_processes(match=_looks_like_launch, grace=LEAK_GRACE):

@@ -1,23 +1,26 @@
 """Rank processes for the lesson tests, forked from a server that has already imported torch.
 
-A lesson test at world size N starts N real processes that meet through real gloo, each running the
-lesson file as `python lessons/X.py` would, with the environment torchrun gives a rank. What this
-module saves is the imports in each of them: torch (about 2 CPU-seconds), torch._dynamo (1.5 more,
-pulled in by the first optimizer any training lesson builds), torchmetrics, torchvision: third-party
-packages only, never lessonlib, whose modules each rank imports as the lesson asks (a fresh start).
-The lesson tests start some 450 ranks: measured on the 2-core build machine, the lesson tests took
-1438 CPU-seconds with an import per rank and 333 with the imports preloaded.
+A lesson test at world size N starts N real processes that meet through real gloo, each entering
+through lessonlib._rank_main exactly as a rank of `lessonlib.launch` does (its output files, its start
+and exit records, its stack dump on SIGUSR1 or SIGTERM), with the environment torchrun and the
+launcher give a rank; the test then reads the run folder with the launcher's own
+`lessonlib.result.read_result`, so a failure reads as it does in the book. What this module saves is
+the imports in each of them: torch (about 2 CPU-seconds), torch._dynamo (1.5 more, pulled in by the
+first optimizer any training lesson builds), torchmetrics, torchvision: third-party packages only,
+never lessonlib, whose modules each rank imports as the lesson asks (a fresh start). The lesson tests
+start some 450 ranks: measured on the 2-core build machine, the lesson tests took 1438 CPU-seconds
+with an import per rank and 333 with the imports preloaded.
 
 How: one multiprocessing fork server per test worker imports torch once (with OMP_NUM_THREADS=1
 already set, as torchrun sets it, since OpenMP reads it when torch loads). Each rank is then a fork
-of that server which starts a session of its own, points fds 1 and 2 at its log file, takes the
-exact environment the test gives it, draws fresh random seeds (as a new process would), and runs the
-lesson with runpy as `__main__`. Nothing else differs from a plain start: the lesson,
-torch.distributed and gloo run unchanged. Chapter 1's lessons
-(about torchrun itself), the book and the launcher tests still go through real torchrun.
+of that server which starts a session of its own, takes the exact environment the test gives it,
+draws fresh random seeds (as a new process would), and runs `python -m lessonlib._rank_main SCRIPT`
+in-process. What differs from a launch is only the torchrun agent, which is not there: the test
+hosts the rendezvous store and watches the ranks itself. Chapter 1's lessons (about torchrun itself),
+the book, the docstring commands and the launcher tests still go through real torchrun, and world
+size 1 is a fresh `python lessons/X.py`.
 """
 
-import faulthandler
 import multiprocessing
 import os
 import runpy
@@ -26,7 +29,6 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PRELOAD = "rankfork_preload"  # what the fork server imports once, before it forks any rank
-STACK_GRACE = 2.0  # seconds a rank that is still running at the deadline gets to print its stack
 
 _context = None
 
@@ -66,17 +68,9 @@ def _preloaded():
     sys.exit(0 if PRELOAD in sys.modules and "torch" in sys.modules else 3)
 
 
-def _run_rank(script, cwd, env, log_path):
-    """In the forked rank: a session of its own, output to log_path, env exactly as given, then the lesson."""
+def _run_rank(script, args, cwd, env):
+    """In the forked rank: a session of its own, env exactly as given, then lessonlib._rank_main."""
     os.setsid()  # so the test can kill the rank with every process it started (DataLoader workers)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # line-buffered, as `python -u` near enough
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    faulthandler.enable()  # a crash prints its stack
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # so does a hang, when the test asks
     # A process forked from the server inherits "forkserver" as its start method; a fresh `python`
     # has the platform's default (DataLoader workers pickle nothing under fork, everything otherwise).
     multiprocessing.set_start_method(None, force=True)
@@ -91,31 +85,28 @@ def _run_rank(script, cwd, env, log_path):
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    sys.argv = [script]
-    # As `python SCRIPT` sets it: the script's folder first, and neither the test folder (the
-    # server's PYTHONPATH, so that it could import PRELOAD) nor the current directory.
-    folder = os.path.dirname(os.path.abspath(script))
-    sys.path[:] = [folder] + [p for p in sys.path if p not in (folder, HERE, "")]
-    runpy.run_path(script, run_name="__main__")  # an exception prints its traceback and exits 1
+    # As `python -m lessonlib._rank_main SCRIPT ARGS` sets it: the current directory first, then
+    # PYTHONPATH; not the test folder (the server's PYTHONPATH, so that it could import PRELOAD).
+    # _rank_main then puts the script's folder first, as `python SCRIPT` would.
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [cwd, *extra] + [p for p in sys.path if p not in (cwd, HERE, "", *extra)]
+    sys.argv = [os.path.join(cwd, "lessonlib", "_rank_main.py"), script, *args]
+    runpy.run_module("lessonlib._rank_main", run_name="__main__", alter_sys=True)
 
 
-def start_rank(script, cwd, env, log_path):
+def start_rank(script, args, cwd, env):
     """Start one rank; returns the multiprocessing.Process (its .pid leads a session of its own)."""
-    proc = context().Process(target=_run_rank, args=(str(script), str(cwd), dict(env), str(log_path)),
+    proc = context().Process(target=_run_rank, args=(str(script), [str(a) for a in args], str(cwd), dict(env)),
                              name=f"rank {env.get('RANK')}")
     proc.start()
     return proc
 
 
-def kill_rank(proc, dump_stack=False):
-    """Kill the rank's whole session (SIGUSR1 first when asked, so a hung rank says where it is)."""
-    if proc.exitcode is not None:
-        return
-    try:
-        if dump_stack:
-            os.kill(proc.pid, signal.SIGUSR1)
-            proc.join(STACK_GRACE)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def kill_rank(proc):
+    """Kill the rank's whole session (a hung rank has been asked for its stack before this)."""
+    if proc.exitcode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.join()

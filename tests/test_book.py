@@ -10,9 +10,7 @@ LaunchError, the rank. That work is done once per session by the fixture `built_
 """
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -20,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from lessonlib.runprocs import run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
@@ -52,15 +52,10 @@ def build_book(book_dir, timeout=BUILD_TIMEOUT, output=None, fresh=True):
     cmd = [str(JUPYTER_BOOK), "build", str(book_dir), "-W", "-n", "--keep-going"]
     cmd += ["--all"] if fresh else []
     cmd += ["--path-output", str(output)] if output is not None else []
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"jupyter-book build {book_dir} did not finish in {timeout} s:\n{log[-5000:]}")
-    return proc.returncode, ANSI.sub("", log)
+    done = run_bounded(cmd, timeout, cwd=ROOT)
+    if done.timed_out:
+        pytest.fail(f"jupyter-book build {book_dir} did not finish in {timeout} s:\n{done.output[-5000:]}")
+    return done.returncode, ANSI.sub("", done.output)
 
 
 def explain_failure(log):

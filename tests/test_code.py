@@ -10,9 +10,7 @@ chapters whose code, or lessons, changed.
 
 import ast
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -22,6 +20,7 @@ import pytest
 
 import lessonlib
 from lessonlib.code import MARKER, Code, regions
+from lessonlib.runprocs import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb"))
@@ -135,16 +134,11 @@ def test_a_missing_file_region_or_function_is_a_clear_error(tmp_path):
 
 def _build(book, timeout=240):
     """`jupyter-book build` without --all (an incremental build), in its own session, bounded."""
-    proc = subprocess.Popen([str(JUPYTER_BOOK), "build", str(book), "-W", "-n"], cwd=book.parent,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"jupyter-book build did not finish in {timeout} s:\n{log[-4000:]}")
-    assert proc.returncode == 0, log[-4000:]
-    return log
+    done = run_bounded([JUPYTER_BOOK, "build", book, "-W", "-n"], timeout, cwd=book.parent)
+    if done.timed_out:
+        pytest.fail(f"jupyter-book build did not finish in {timeout} s:\n{done.output[-4000:]}")
+    assert done.returncode == 0, done.output[-4000:]
+    return done.output
 
 
 def _notebook(path, kernel, markdown, code, tags=()):

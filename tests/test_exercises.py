@@ -13,8 +13,6 @@ tests/test_lessons.py runs every self-test at 1 to 4 ranks.
 import ast
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -24,6 +22,7 @@ import pytest
 import lessonlib
 from lessonlib.code import regions
 from lessonlib.exercises import PRELUDE, load_function
+from lessonlib.runprocs import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKERS = sorted(ROOT.glob("lessons/[0-9][0-9]_exercise_*.py"))
@@ -43,19 +42,10 @@ def run_python(args, cwd, timeout=TIMEOUT):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LESSONLIB_RUN_DIR"):
         env.pop(name, None)  # world size 1: a group of one, as `python lessons/X.py` makes
-    proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"python {' '.join(map(str, args))} ran past {timeout} s:\n{out[-4000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, out
+    done = run_bounded([sys.executable, *args], timeout, cwd=cwd, env=env)
+    if done.timed_out:
+        pytest.fail(f"python {' '.join(map(str, args))} ran past {timeout} s:\n{done.output[-4000:]}")
+    return done.returncode, done.output
 
 
 TOY = '''"""torchrun --nproc_per_node=2 toy_checker.py

@@ -22,6 +22,7 @@ import pytest
 import lessonlib
 from conftest import processes_with_env
 from lessonlib.launcher import RUN_ID_VAR
+from lessonlib.runprocs import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "helpers"
@@ -456,13 +457,14 @@ def test_run_folder_records_round_trip(tmp_path):
     assert sorted(os.listdir(folder)) == ["rank1.exit.json", "rank1.reports.jsonl", "rank1.start.json"]
 
 
-RUN_FOLDER_NAMES = ("LESSONLIB_RUN_ID", "LESSONLIB_RUN_DIR", "LESSONLIB_LAUNCHER_PID", ".start.json", ".exit.json",
+RUN_FOLDER_NAMES = ("LESSONLIB_RUN_ID", "LESSONLIB_RUN_DIR", "LESSONLIB_LAUNCHER_PID", "LESSONLIB_BACKEND", ".start.json", ".exit.json",
                     ".reports.jsonl", "agent{", ".stdout\"", ".stderr\"")
 
 
 def test_run_folder_protocol_is_spelled_once():
     """The run folder's variable and file names live in lessonlib/_runfolder.py; every other side imports them."""
-    sides = [*sorted((ROOT / "lessonlib").glob("*.py")), ROOT / "tests" / "conftest.py", ROOT / "tests" / "rankfork.py"]
+    sides = [*sorted((ROOT / "lessonlib").glob("*.py")),
+             *(ROOT / "tests" / name for name in ("conftest.py", "rankfork.py", "test_lessons.py"))]
     spelled = [(path.relative_to(ROOT), name) for path in sides if path.name != "_runfolder.py"
                for name in RUN_FOLDER_NAMES if name in path.read_text()]
     assert spelled == [], f"run-folder names spelled outside lessonlib/_runfolder.py: {spelled}"
@@ -482,3 +484,37 @@ def test_a_run_leaves_nothing_in_the_temporary_folder(tmp_path, launcher):
                            env={**os.environ, "TMPDIR": str(own_tmp)})
     assert child.returncode == 0, child.stderr[-3000:]
     assert sorted(p.name for p in own_tmp.iterdir()) == [], "left in the temporary folder"
+
+
+DETACHED = """import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+print(child.pid, flush=True)  # a process in a session of its own, as torchrun starts its ranks
+time.sleep({wait})
+"""
+
+
+def _gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("wait", [0, 600], ids=["finishes", "hangs"])
+def test_run_bounded_leaves_no_process_whether_the_command_finishes_or_hangs(wait):
+    """run_bounded (the tests', the book executor's and chapter 11's way to run a command) kills what
+    the command started in another session, found by its mark, after a normal exit as after a timeout."""
+    done = run_bounded([sys.executable, "-c", DETACHED.format(wait=wait)], 8)
+    assert done.timed_out == (wait > 0) and done.returncode == (-signal.SIGKILL if wait else 0), done
+    child = int(done.stdout.split()[0])  # what it printed before the kill is kept
+    assert _gone(child), f"pid {child}, started by the command in a session of its own, outlived it"
+
+
+def test_run_bounded_reaches_a_bounded_command_inside_a_bounded_command():
+    """The marks nest: killing the outer command at its deadline also ends what an inner run_bounded
+    (with a longer bound) had started."""
+    inner = f"from lessonlib.runprocs import run_bounded; import sys; run_bounded([sys.executable, '-c', {DETACHED.format(wait=600)!r}], 600)"
+    done = run_bounded([sys.executable, "-c", inner], 8)
+    assert done.timed_out, done
+    marked = [p for p in psutil.process_iter() if not _gone(p.pid) and "time.sleep(600)" in " ".join(p.cmdline())]
+    assert marked == [], f"left running: {marked}"

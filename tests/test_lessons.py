@@ -1,15 +1,17 @@
 """Every lesson script runs to the end on every rank at world sizes 1, 2, 3 and 4.
 
-World size 1 runs the lesson the way the README's second command does, `python lessons/X.py`: as
-`__main__`, with none of torchrun's variables, so lessonlib.setup makes a process group of one rank
-(forked from the same server as the ranks below, which saves the imports per lesson). World sizes 2
-to 4 start one process per rank that runs the lesson file as `__main__` with the environment
-torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT on a reserved
-port, ...): real processes and real gloo, without a torchrun agent per run and without an `import
-torch` per rank (each rank is forked from a server that has imported it: tests/rankfork.py). That
-start-up is a large share of a small lesson's CPU time, and CI's time is the budget. Chapter 1's
-lessons are about torchrun itself and always run under it (lessonlib.launch), as does every launch
-in the book; the launcher tests cover torchrun's own behaviour.
+World size 1 runs the lesson the way the README's second command does, `python lessons/X.py`: a
+fresh interpreter, with none of torchrun's variables, so lessonlib.setup makes a process group of one
+rank. World sizes 2 to 4 start one process per rank, each entering through lessonlib._rank_main (the
+rank wrapper every launch uses: output files, start and exit records, a stack dump when asked) with
+the environment lessonlib.launch and torchrun give it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT on a reserved port, the run folder, ...), and the run folder is read into a RunResult by
+the launcher's own code, so a failure here reads as it does in the book. Real processes and real
+gloo, without a torchrun agent per run and without an `import torch` per rank: each rank is forked
+from a server that has imported the third-party packages (tests/rankfork.py). That start-up is a
+large share of a small lesson's CPU time, and CI's time is the budget. Chapter 1's lessons are about
+torchrun itself and always run under it (lessonlib.launch), as does every launch in the book;
+test_forked_ranks_fail_as_a_launch_fails runs one failing script both ways and compares.
 
 A chapter that launches a lesson with its default arguments and `.raise_for_status()` already runs
 that lesson at that world size, every rank to exit 0, inside the book build. When the book build is
@@ -30,13 +32,10 @@ that pair, since the book goes through lessonlib.launch, not the pasted command.
 """
 
 import ast
-import contextlib
 import json
 import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -46,7 +45,10 @@ import pytest
 
 import lessonlib
 import rankfork
-from conftest import COMMAND_VAR, kill_processes, processes_with_env
+from lessonlib.launcher import _environment as launch_environment
+from lessonlib.launchspec import check_launch
+from lessonlib.result import Ending, read_result
+from lessonlib.runprocs import RankWatch, dump_stacks_then_kill, run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = sorted(ROOT.glob("lessons/[0-9][0-9]_*.py"))
@@ -121,9 +123,9 @@ PROGRAMS = {"python": sys.executable, "torchrun": str(Path(sys.executable).with_
 
 def run_command(command, tmp_path):
     """Run a shell command line as a reader pastes it at the repository root with .venv activated:
-    `python` and `torchrun` are the ones next to this interpreter. In a session of its own, bounded;
-    at the end every process that carries its marker is killed (torchrun puts its workers in sessions
-    of their own, so killing the command's process group alone would not reach them).
+    `python` and `torchrun` are the ones next to this interpreter. Bounded, and every process it
+    started killed at the end (lessonlib.runprocs.run_bounded: torchrun puts its workers in sessions of
+    their own, so killing the command's process group alone would not reach them).
 
     One thing differs from a reader's shell: torchrun without --standalone rendezvous on port 29500,
     and pytest-xdist runs several commands at once, so PET_MASTER_PORT (torchrun reads any option from
@@ -134,107 +136,87 @@ def run_command(command, tmp_path):
     argv[0] = PROGRAMS[argv[0]]
     if not Path(argv[0]).is_file():
         pytest.fail(f"{argv[0]} is missing: is torch installed in this environment ({sys.prefix})?")
-    marker = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
-    env[COMMAND_VAR] = marker
     env["TMPDIR"] = str(tmp_path)  # torchrun's torchelastic_* log folder lands here, not in /tmp for good
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # as activate does
-    timed_out = False
     with lessonlib.reserve_port() as port:
         env["PET_MASTER_PORT"] = str(port)
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            kill_processes(processes_with_env(COMMAND_VAR, marker))
-    if timed_out:
-        out, _ = proc.communicate()
+        done = run_bounded(argv, TIMEOUT, cwd=ROOT, env=env)
+    if done.timed_out:
         pytest.fail(f"`{command}` did not finish in {TIMEOUT} s (killed, with every process it started):\n"
-                    f"{out[-5000:]}")
-    return proc.returncode, out
+                    f"{done.output[-5000:]}")
+    return done.returncode, done.output
 
 
 def run_plain(lesson, args=()):
-    """`python lesson.py [args]` in its own session, bounded; the whole session is killed on timeout."""
-    proc = subprocess.Popen([sys.executable, str(lesson), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"python {lesson.name} did not finish in {TIMEOUT} s:\n{out[-3000:]}")
-    return proc.returncode, out
+    """`python lesson.py [args]`, a fresh interpreter with none of torchrun's variables (so lessonlib.setup
+    makes a group of one), from the repository root: bounded, every process it started killed after."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    done = run_bounded([sys.executable, lesson, *args], TIMEOUT, cwd=ROOT, env=env)
+    if done.timed_out:
+        pytest.fail(f"python {lesson.name} {' '.join(args)} did not finish in {TIMEOUT} s:\n{done.output[-3000:]}")
+    return done.returncode, done.output
 
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "MASTER_ADDR", "MASTER_PORT")
+FAILURE_GRACE = 5.0  # seconds the other ranks get after one failed, as torchrun's agent gives them
 
 
-def run_alone(lesson, tmp_path):
-    """`python lesson.py`: the lesson as __main__ with none of torchrun's variables, so lessonlib.setup
-    takes its one-rank path, in a process forked from the server that has imported torch (as
-    run_ranks does); bounded, its session killed at the deadline after it printed its stack."""
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    log = tmp_path / "alone.log"
-    proc = rankfork.start_rank(lesson, ROOT, env, log)
-    proc.join(TIMEOUT)
-    timed_out = proc.exitcode is None
-    rankfork.kill_rank(proc, dump_stack=timed_out)
-    out = log.read_text(errors="replace") if log.exists() else ""
-    if timed_out:
-        pytest.fail(f"python {lesson.name} did not finish in {TIMEOUT} s; its stack when killed:\n{out[-5000:]}")
-    return proc.exitcode, out
+def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT):
+    """The lesson at `world_size` ranks, each entering through lessonlib._rank_main with the environment
+    lessonlib.launch gives it, bounded; returns the RunResult, read from the run folder by the
+    launcher's own code (lessonlib.result.read_result), so a failure reads as it would in the book.
 
-
-def run_ranks(lesson, world_size, tmp_path):
-    """One process per rank with torchrun's environment, all bounded; every rank's exit code and output.
-
-    The ranks are forked from a server that has imported torch already (tests/rankfork.py). When a
-    rank fails, the others get a few seconds and are then killed, so a rank left waiting in a
-    collective for a partner that died cannot hold the test until the process-group timeout. A rank
-    still running at the deadline prints its Python stack before it is killed.
+    The ranks are forked from a server that has imported torch already (tests/rankfork.py), and the
+    test stands in for torchrun's agent: it hosts the rendezvous store and watches the ranks. When a
+    rank fails, the others get FAILURE_GRACE seconds; ranks still running then (waiting in a collective
+    for a partner that died) or at the deadline print their Python stacks and are killed, by the
+    launcher's own `dump_stacks_then_kill`.
     """
     import torch.distributed as dist  # here, not at the top: only this path needs torch in the test process
 
-    logs = [tmp_path / f"rank{rank}.log" for rank in range(world_size)]
-    procs, timed_out = [], False
+    spec = check_launch(lesson, world_size, list(args), timeout, None, nnodes=1, backend=None,
+                        launcher="torchrun", rendezvous="c10d", cwd=ROOT)
+    run_id, run_dir = uuid.uuid4().hex, tmp_path / "run"
+    run_dir.mkdir(parents=True)
+    watch = RankWatch(str(run_dir), world_size)
+    procs, timed_out, t0 = [], False, time.monotonic()
     with lessonlib.reserve_port() as port:
         # The test process hosts the rendezvous store, as torchrun's agent does: the ranks connect at once
         # instead of retrying, with growing pauses, until rank 0 has opened one.
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
-        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
+        base = {**launch_environment(spec, run_id, str(run_dir)),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
                 "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "OMP_NUM_THREADS": "1",
-                "TORCHELASTIC_USE_AGENT_STORE": "True", "PYTHONUNBUFFERED": "1"}
+                "TORCHELASTIC_USE_AGENT_STORE": "True"}
         try:
             for rank in range(world_size):
                 env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-                procs.append(rankfork.start_rank(lesson, ROOT, env, logs[rank]))
-            deadline, failed_at = time.monotonic() + TIMEOUT, None
+                procs.append(rankfork.start_rank(spec.script, spec.args, ROOT, env))
+            deadline, failed_at = t0 + timeout, None
             while any(p.exitcode is None for p in procs):
+                watch.poll()
                 if time.monotonic() > deadline:
                     timed_out = True
                     break
                 if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
                     failed_at = time.monotonic()
-                if failed_at is not None and time.monotonic() > failed_at + 5:
+                if failed_at is not None and time.monotonic() > failed_at + FAILURE_GRACE:
                     break
                 time.sleep(0.05)
         finally:
+            watch.poll()
+            dump_stacks_then_kill(run_id, watch)
             for p in procs:
-                rankfork.kill_rank(p, dump_stack=timed_out)
+                rankfork.kill_rank(p)
+            watch.poll()
             del store
-    outputs = [log.read_text(errors="replace") if log.exists() else "" for log in logs]
-    if timed_out:
-        outputs = [f"(still running after {TIMEOUT} s; its stack when killed is at the end)\n{o}" for o in outputs]
-    return [p.exitcode for p in procs], outputs
+    codes = [p.exitcode for p in procs]
+    # What torchrun's agent would return, and what it would say of a rank that left no exit record.
+    ending = Ending([0 if all(c == 0 for c in codes) else 1], [], time.monotonic() - t0, timed_out, False,
+                    watch.ended, [], exitcodes=dict(enumerate(codes)))
+    return read_result(spec, str(run_dir), ending)
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
@@ -273,7 +255,7 @@ def test_lesson_runs(lesson, world_size, request, tmp_path):
         assert code == 0, f"python {lesson.name} --world-size {world_size} exited {code}:\n{out[-5000:]}"
         return
     if world_size == 1:
-        code, out = run_alone(lesson, tmp_path)
+        code, out = run_plain(lesson)
         assert code == 0, f"python {lesson.name} exited {code}:\n{out[-5000:]}"
         return
     if lesson.name.startswith("01_"):
@@ -281,9 +263,8 @@ def test_lesson_runs(lesson, world_size, request, tmp_path):
         assert run.ok, run.describe_failure()
         assert [r.exitcode for r in run.ranks] == [0] * world_size, run.describe_failure()
         return
-    codes, outputs = run_ranks(lesson, world_size, tmp_path)
-    failed = [r for r, c in enumerate(codes) if c != 0]
-    assert not failed, "\n".join(f"--- rank {r}: exit {codes[r]}\n{outputs[r][-4000:]}" for r in failed)
+    run = run_ranks(lesson, world_size, tmp_path)
+    assert run.ok, run.describe_failure()
 
 
 def test_a_lesson_missing_an_import_of_its_own_fails(tmp_path):
@@ -294,11 +275,69 @@ def test_a_lesson_missing_an_import_of_its_own_fails(tmp_path):
             "    lessonlib.training.mlp()\nfinally:\n    lessonlib.teardown()\n")
     missing = tmp_path / "99_missing_import.py"
     missing.write_text(body.format(extra=""))
-    code, out = run_alone(missing, tmp_path)
+    code, out = run_plain(missing)
     assert code != 0 and "has no attribute 'training'" in out, f"exit {code}:\n{out[-3000:]}"
-    codes, outputs = run_ranks(missing, 2, tmp_path)
-    assert all(c != 0 for c in codes) and all("has no attribute 'training'" in o for o in outputs), (codes, outputs)
+    run = run_ranks(missing, 2, tmp_path / "np2")
+    assert run.failed_ranks == [0, 1], run.describe_failure()
+    assert all("has no attribute 'training'" in r.error for r in run.ranks), run.describe_failure()
     fixed = tmp_path / "99_with_import.py"
     fixed.write_text(body.format(extra="\nimport lessonlib.training"))
-    codes, outputs = run_ranks(fixed, 2, tmp_path)
-    assert codes == [0, 0], outputs
+    run = run_ranks(fixed, 2, tmp_path / "fixed")
+    assert run.ok, run.describe_failure()
+
+
+FAILING = """import time
+import torch.distributed as dist
+import lessonlib
+
+ctx = lessonlib.setup(device="cpu")
+print(f"rank {ctx.rank} up", flush=True)
+if ctx.rank == 1:
+    time.sleep(0.5)
+    raise ValueError("rank 1 gives up")
+dist.barrier()  # rank 0 waits here for a partner that has failed
+"""
+
+HANGING = """import time
+import torch.distributed as dist
+import lessonlib
+
+ctx = lessonlib.setup(device="cpu")
+print(f"rank {ctx.rank} up", flush=True)
+if ctx.rank == 1:
+    time.sleep(600)  # rank 1 never arrives
+dist.barrier()
+"""
+
+
+def test_forked_ranks_fail_as_a_launch_fails(tmp_path):
+    """The same failing script through the test's forked ranks and through lessonlib.launch (torchrun):
+    both name rank 1 as the root cause with its ValueError and its traceback in the script, and rank 0
+    as failed after it (whether it noticed the lost peer or was stopped first)."""
+    script = tmp_path / "fails.py"
+    script.write_text(FAILING)
+    forked = run_ranks(script, 2, tmp_path / "forked")
+    launched = lessonlib.launch(script, nproc=2, timeout=TIMEOUT, show="none")
+    for run in (forked, launched):
+        text = run.describe_failure()
+        assert not run.ok and run.failed_ranks == [0, 1] and run.root_cause.rank == 1, text
+        assert run.root_cause.error == "ValueError: rank 1 gives up", text
+        assert text.startswith(f"{run.script} failed on rank(s) 0, 1 of 2.\nFirst failure (root cause): rank 1"), text
+        assert 'fails.py", line 9, in <module>' in run.root_cause.traceback, text
+        assert "_rank_main" not in run.root_cause.traceback, text  # it reads as under a bare torchrun
+        assert run.ranks[0].stdout == "rank 0 up\n", text
+
+
+def test_forked_ranks_time_out_as_a_launch_does(tmp_path):
+    """A hang, both ways: at the deadline each rank prints where it waits (the rank wrapper's
+    faulthandler, asked by the same dump_stacks_then_kill), and every process is gone afterwards."""
+    script = tmp_path / "hangs.py"
+    script.write_text(HANGING)
+    forked = run_ranks(script, 2, tmp_path / "forked", timeout=10)
+    launched = lessonlib.launch(script, nproc=2, timeout=25, show="none")
+    for run in (forked, launched):
+        text = run.describe_failure()
+        assert run.timed_out and [r.status for r in run.ranks] == ["hung", "hung"], text
+        assert "rank(s) 0, 1 were still running and were killed" in text, text
+        assert 'hangs.py", line 9 in <module>' in text.split("--- rank 0 stack ---")[1], text
+        assert 'hangs.py", line 8 in <module>' in text.split("--- rank 1 stack ---")[1], text

@@ -20,6 +20,7 @@ import lessonlib.launcher
 from lessonlib import runner
 from conftest import kill_processes, processes_with_env
 from lessonlib.launcher import RankOutput
+from lessonlib.runprocs import kill_session, run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 HANG = Path(__file__).resolve().parent / "helpers" / "hang.py"
@@ -35,22 +36,12 @@ def kill_marked(value):
 
 def cli(*args, timeout=RUN_LIMIT, env=None):
     """`python -m lessonlib ARGS` from the repository root, bounded: (exit code, stdout, stderr, seconds)."""
-    mark = uuid.uuid4().hex
-    proc = subprocess.Popen([sys.executable, "-m", "lessonlib", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, **(env or {}), MARK: mark})
-    t0 = time.monotonic()
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        kill_marked(mark)
-        out, err = proc.communicate()
+    done = run_bounded([sys.executable, "-m", "lessonlib", *args], timeout, cwd=ROOT,
+                       env={**os.environ, **(env or {})}, merge_output=False)
+    if done.timed_out:
         pytest.fail(f"python -m lessonlib {' '.join(args)} did not finish in {timeout} s:\n"
-                    f"{out[-3000:]}\n{err[-3000:]}")
-    finally:
-        kill_marked(mark)
-    return proc.returncode, out, err, time.monotonic() - t0
+                    f"{done.stdout[-3000:]}\n{(done.stderr or '')[-3000:]}")
+    return done.returncode, done.stdout, done.stderr, done.seconds
 
 
 def shown(code, out, err):
@@ -272,9 +263,7 @@ def test_ctrl_c_exits_130_without_a_traceback_and_leaves_no_process(hang_env):
         os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends the runner (its ranks are in other sessions)
         out, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        kill_session(proc)
         kill_marked(mark)
     assert proc.returncode == runner.EXIT_INTERRUPTED, shown(proc.returncode, out, err)
     assert err.rstrip("\n").splitlines()[-1] == \
