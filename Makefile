@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup book lab test bench clean
+.PHONY: setup book lab test bench format clean
 # The kernel every chapter names in its metadata (kernelspec.name), so Jupyter and VS Code pick .venv's
 # Python. Registered inside .venv (--sys-prefix): nothing is written outside the checkout.
 KERNEL := dp-course
@@ -47,6 +47,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/launch_overhead.py
 	$(BIN)/python benchmarks/collectives.py
 	$(BIN)/python benchmarks/amp.py
+
+# Format and lint-fix everything ruff covers (pyproject.toml [tool.ruff]); tests/test_style.py checks it.
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 clean:
 	rm -rf _build

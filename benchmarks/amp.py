@@ -33,16 +33,26 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--runs", type=int, default=7, help="interleaved rounds per size (at least 5)")
     parser.add_argument("--sizes", default="128x32,256x1024,1024x256", help="WIDTHxBATCH,...")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads (OMP_NUM_THREADS); 0 leaves it to torch (every core, slow if they are busy)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads (OMP_NUM_THREADS); 0 leaves it to torch (every core, slow if they are busy)",
+    )
     parser.add_argument("--cuda-size", default="4096x16384", help="WIDTHxBATCH on the GPU, if any")
     args = parser.parse_args()
     if args.runs < 5:
         parser.error("--runs must be at least 5: a median of fewer runs is mostly noise")
 
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads > 0 else {}
-    run = lessonlib.launch(SCRIPT, nproc=1, timeout=RUN_TIMEOUT, show="none", env=env,
-                           args=["--sizes", args.sizes, "--runs", str(args.runs), "--cuda-size", args.cuda_size])
+    run = lessonlib.launch(
+        SCRIPT,
+        nproc=1,
+        timeout=RUN_TIMEOUT,
+        show="none",
+        env=env,
+        args=["--sizes", args.sizes, "--runs", str(args.runs), "--cuda-size", args.cuda_size],
+    )
     run.raise_for_status()
     cpu = run.reports_by_rank("cpu")[0][0]
     flags = cpu["flags"] if isinstance(cpu["flags"], str) else " ".join(f for f, on in cpu["flags"].items() if on)
@@ -62,8 +72,10 @@ def main():
                 line += f"{(b['activation'] + b['weight copy']) / b32['activation']:>15.3f}"
             else:
                 held, peak = t["held after forward"], t["peak"]
-                line += (f"   held {held[mode] / 2**20:.0f} MiB ({held[mode] / held['float32']:.3f}), "
-                         f"peak {peak[mode] / 2**20:.0f} MiB ({peak[mode] / peak['float32']:.3f})")
+                line += (
+                    f"   held {held[mode] / 2**20:.0f} MiB ({held[mode] / held['float32']:.3f}), "
+                    f"peak {peak[mode] / 2**20:.0f} MiB ({peak[mode] / peak['float32']:.3f})"
+                )
             print(line)
     if "gpu" in (last := run.reports_by_rank("time")[0][-1]):
         print(f"GPU: {last['gpu']}")

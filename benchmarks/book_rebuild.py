@@ -34,8 +34,14 @@ BUILD_TIMEOUT = 3600  # seconds for one build: a bound against a hang (a cold bu
 
 def copy_course(dest):
     """The files git tracks (and any chapter or lesson not yet added), without _build/ or .venv/."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60, check=True).stdout.split("\n")
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split("\n")
     for name in filter(None, listed):
         src = ROOT / name
         if src.is_file():
@@ -46,8 +52,7 @@ def copy_course(dest):
 def build(course, env):
     """One `jupyter-book build book` in the copy: (seconds, {chapter: seconds executed}, log)."""
     started = time.monotonic()
-    done = run_bounded([JUPYTER_BOOK, "build", "book", "-W", "-n", "--keep-going"], BUILD_TIMEOUT, cwd=course,
-                       env=env)
+    done = run_bounded([JUPYTER_BOOK, "build", "book", "-W", "-n", "--keep-going"], BUILD_TIMEOUT, cwd=course, env=env)
     seconds = time.monotonic() - started
     if done.timed_out or done.returncode != 0:
         what = f"did not finish in {BUILD_TIMEOUT} s" if done.timed_out else f"failed (exit {done.returncode})"
@@ -73,8 +78,10 @@ def main():
     if args.jobs is not None and args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: give 1 or more")
     if not (ROOT / "book" / f"{args.chapter}.ipynb").is_file():
-        parser.error(f"--chapter {args.chapter}: no book/{args.chapter}.ipynb; chapters: "
-                     + ", ".join(p.stem for p in sorted((ROOT / "book").glob("*.ipynb"))))
+        parser.error(
+            f"--chapter {args.chapter}: no book/{args.chapter}.ipynb; chapters: "
+            + ", ".join(p.stem for p in sorted((ROOT / "book").glob("*.ipynb")))
+        )
     if not (ROOT / args.lesson).is_file():
         parser.error(f"--lesson {args.lesson}: no such file under {ROOT}")
 
@@ -89,15 +96,19 @@ def main():
         rows = []
         seconds, executed, report = build(course, env)
         rows.append(("cold", seconds, executed))
-        print(f"cold: {seconds:.0f} s, {len(executed)} chapters, {report['jobs']} at a time; their own execution "
-              f"times add up to {sum(executed.values()):.0f} s, {sum(executed.values()) / seconds:.2f}x the wall time",
-              flush=True)
+        print(
+            f"cold: {seconds:.0f} s, {len(executed)} chapters, {report['jobs']} at a time; their own execution "
+            f"times add up to {sum(executed.values()):.0f} s, {sum(executed.values()) / seconds:.2f}x the wall time",
+            flush=True,
+        )
         chapter = course / "book" / f"{args.chapter}.ipynb"
         lesson = course / args.lesson
-        steps = [("unchanged", lambda: None),
-                 ("prose", lambda: edit_notebook(chapter, "markdown", lambda s: s.rstrip("\n") + " Indeed.")),
-                 ("lesson", lambda: lesson.write_text(lesson.read_text() + "# edited by benchmarks/book_rebuild.py\n")),
-                 ("code", lambda: edit_notebook(chapter, "code", lambda s: s + "\n# edited"))]
+        steps = [
+            ("unchanged", lambda: None),
+            ("prose", lambda: edit_notebook(chapter, "markdown", lambda s: s.rstrip("\n") + " Indeed.")),
+            ("lesson", lambda: lesson.write_text(lesson.read_text() + "# edited by benchmarks/book_rebuild.py\n")),
+            ("code", lambda: edit_notebook(chapter, "code", lambda s: s + "\n# edited")),
+        ]
         for name, edit in steps:
             edit()
             seconds, executed, _ = build(course, env)

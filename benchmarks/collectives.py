@@ -20,8 +20,12 @@ import lessonlib  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--world-sizes", type=lessonlib.comma_list(int, low=2, high=lessonlib.MAX_NPROC),
-                        default="2,4", help=f"comma-separated, each within 2..{lessonlib.MAX_NPROC}")
+    parser.add_argument(
+        "--world-sizes",
+        type=lessonlib.comma_list(int, low=2, high=lessonlib.MAX_NPROC),
+        default="2,4",
+        help=f"comma-separated, each within 2..{lessonlib.MAX_NPROC}",
+    )
     parser.add_argument("--numel", type=int, default=4_000_000)
     args = parser.parse_args()
     if args.numel < 1:
@@ -35,8 +39,13 @@ def main():
         for op in ["all_reduce", "all_gather", "broadcast"]:
             big = max((v for v in rows if v["op"] == op), key=lambda v: v["bytes"])
             print(f"{n:>5}  {op + ' busbw / memcpy':<28}{big['busbw (GB/s)'] / memcpy:>8.3f}")
-        run = lessonlib.launch(ROOT / "lessons/02_ring_allreduce.py", nproc=n, timeout=300, show="none",
-                               args=["--numel", str(args.numel), "--lengths", "10"]).raise_for_status()
+        run = lessonlib.launch(
+            ROOT / "lessons/02_ring_allreduce.py",
+            nproc=n,
+            timeout=300,
+            show="none",
+            args=["--numel", str(args.numel), "--lengths", "10"],
+        ).raise_for_status()
         t = dict(run.reports("timing"))[0]
         ratio = t["ring_all_reduce (ms)"] / t["dist.all_reduce (ms)"]
         print(f"{n:>5}  {'ring / gloo all_reduce time':<28}{ratio:>8.3f}")

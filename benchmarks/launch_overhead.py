@@ -42,8 +42,15 @@ def time_bare():
     # The ranks import lessonlib as the launched ones do; PYTHONPATH is how launch provides it too.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, timeout=RUN_TIMEOUT)
+    done = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=RUN_TIMEOUT,
+    )
     took = time.perf_counter() - t0
     if done.returncode != 0:
         sys.exit(f"bare torchrun failed with exit code {done.returncode}: {' '.join(cmd)}")

@@ -25,11 +25,25 @@ package, and should not pay for the rest (psutil for the launcher, torch for `se
 import importlib
 
 _WHERE = {
-    "launch": "launcher", "LaunchError": "result", "RunResult": "result", "RankOutput": "result",
-    "MAX_NPROC": "launchspec", "MAX_NNODES": "launchspec",
-    "setup": "dist", "teardown": "dist", "DistContext": "dist", "report": "dist", "pick_backend": "dist",
-    "show_table": "display", "reserve_port": "ports", "show_code": "code",
-    "plot_ranks": "plots", "panel": "runpanel", "RunPanel": "runpanel", "check_function": "exercises", "comma_list": "cli",
+    "launch": "launcher",
+    "LaunchError": "result",
+    "RunResult": "result",
+    "RankOutput": "result",
+    "MAX_NPROC": "launchspec",
+    "MAX_NNODES": "launchspec",
+    "setup": "dist",
+    "teardown": "dist",
+    "DistContext": "dist",
+    "report": "dist",
+    "pick_backend": "dist",
+    "show_table": "display",
+    "reserve_port": "ports",
+    "show_code": "code",
+    "plot_ranks": "plots",
+    "panel": "runpanel",
+    "RunPanel": "runpanel",
+    "check_function": "exercises",
+    "comma_list": "cli",
 }
 
 __all__ = list(_WHERE)

@@ -33,9 +33,13 @@ def describe(parser):
         if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
             continue
         flags = action.option_strings
-        item = {"flag": next((f for f in flags if f.startswith("--")), flags[0]) if flags else None,
-                "dest": action.dest, "help": action.help or "", "default": _plain(action.default),
-                "metavar": _plain(action.metavar)}
+        item = {
+            "flag": next((f for f in flags if f.startswith("--")), flags[0]) if flags else None,
+            "dest": action.dest,
+            "help": action.help or "",
+            "default": _plain(action.default),
+            "metavar": _plain(action.metavar),
+        }
         if isinstance(action, argparse.BooleanOptionalAction):
             item["kind"] = "bool"  # --x / --no-x
         elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):

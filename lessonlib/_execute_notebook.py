@@ -28,8 +28,12 @@ def execute(source, out, timeout):
         for i, cell in reversed(list(enumerate(nb.cells))):
             errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
             if cell.cell_type == "code" and errors:
-                return {"cell": i, "source": cell.source, "error": f"{errors[0].ename}: {errors[0].evalue}",
-                        "traceback": result.exc_string}
+                return {
+                    "cell": i,
+                    "source": cell.source,
+                    "error": f"{errors[0].ename}: {errors[0].evalue}",
+                    "traceback": result.exc_string,
+                }
         return {"cell": None, "source": None, "error": result.exc_string, "traceback": result.exc_string}
     nbformat.write(nb, out)
     return {"seconds": round(result.time, 1)}

@@ -13,8 +13,8 @@ worker starts here and then runs SCRIPT exactly as `python SCRIPT ARGS...` would
 
 The files it writes, and the variables it reads, are the run folder's (lessonlib._runfolder).
 
-It also dies if the torchrun agent dies (`lessonlib._lifeline`). The traceback printed for an uncaught exception leaves out this module's frames: it reads exactly as
-it would under bare torchrun.
+It also dies if the torchrun agent dies (`lessonlib._lifeline`). The traceback printed for an uncaught
+exception leaves out this module's frames: it reads exactly as it would under bare torchrun.
 """
 
 import faulthandler
@@ -59,7 +59,7 @@ def main():
     # The deprecated torch.distributed.launch inserts --local-rank=N before the program's arguments,
     # which here means before SCRIPT; the script must see it first among its own arguments.
     legacy = [a for a in sys.argv[1:2] if a.startswith(("--local-rank=", "--local_rank="))]
-    rest = sys.argv[1 + len(legacy):]
+    rest = sys.argv[1 + len(legacy) :]
     script = rest[0]
     sys.argv = [script, *legacy, *rest[1:]]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` would set it

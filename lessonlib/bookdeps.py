@@ -125,9 +125,15 @@ def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print):
                 out = scratch / f"{len(executed) + len(running) + len(failures)}-{path.name}"
                 logfile = open(scratch / f"{out.stem}.log", "w+")
                 env, mark = marked_environment()
-                proc = subprocess.Popen([sys.executable, "-m", "lessonlib._execute_notebook", str(path), str(out),
-                                         str(cell_timeout)], cwd=ROOT, env=env, stdout=logfile,
-                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "lessonlib._execute_notebook", str(path), str(out), str(cell_timeout)],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=logfile,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
                 running[path] = (proc, mark, logfile, out, time.monotonic())
             for path, (proc, mark, logfile, out, started) in list(running.items()):
                 late = time.monotonic() - started > timeout
@@ -145,8 +151,10 @@ def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print):
                 else:
                     times[path] = json.loads(text.strip().splitlines()[-1])["seconds"]
                     executed[path] = out
-                log(f"lessonlib.bookdeps: {path.name}: " + (f"executed in {times[path]} s" if path in times
-                                                            else "FAILED"))
+                log(
+                    f"lessonlib.bookdeps: {path.name}: "
+                    + (f"executed in {times[path]} s" if path in times else "FAILED")
+                )
             time.sleep(0.2)
     finally:
         for proc, mark, logfile, _, _ in running.values():
@@ -197,28 +205,41 @@ def _execute_stale(app, env, docnames):
         n = min(jobs(), len(stale))
         # The longest first (last time's duration, else the number of launches), so it does not start last.
         stale.sort(key=lambda s: -(s[2] if s[2] is not None else 10 * _launches(s[0])))
-        logger.info(f"lessonlib.bookdeps: executing {len(stale)} notebook(s), {n} at a time: "
-                    + ", ".join(p.name for p, _, _ in stale))
+        logger.info(
+            f"lessonlib.bookdeps: executing {len(stale)} notebook(s), {n} at a time: "
+            + ", ".join(p.name for p, _, _ in stale)
+        )
         started = time.monotonic()
-        times, failures, executed, scratch = execute_notebooks([p for p, _, _ in stale], config.execution_timeout,
-                                                               n, chapter_timeout(), log=logger.info)
+        times, failures, executed, scratch = execute_notebooks(
+            [p for p, _, _ in stale], config.execution_timeout, n, chapter_timeout(), log=logger.info
+        )
         try:
             keys = {p: k for p, k, _ in stale}
             for path, out in executed.items():
                 cache.cache_notebook_bundle(
-                    CacheBundleIn(nbformat.read(out, as_version=4), str(path),
-                                  data={"execution_seconds": times[path], KEY: keys[path]}),
-                    check_validity=False, overwrite=True)
+                    CacheBundleIn(
+                        nbformat.read(out, as_version=4),
+                        str(path),
+                        data={"execution_seconds": times[path], KEY: keys[path]},
+                    ),
+                    check_validity=False,
+                    overwrite=True,
+                )
         finally:
             for item in scratch.iterdir():
                 item.unlink()
             scratch.rmdir()
-        report = {"jobs": n, "seconds": round(time.monotonic() - started, 1),
-                  "executed": {str(p): s for p, s in times.items()}, "failures": {str(p): f for p, f in failures.items()}}
+        report = {
+            "jobs": n,
+            "seconds": round(time.monotonic() - started, 1),
+            "executed": {str(p): s for p, s in times.items()},
+            "failures": {str(p): f for p, f in failures.items()},
+        }
     Path(app.outdir).parent.joinpath(REPORT).write_text(json.dumps(report, indent=1))
     if report["failures"]:
-        message = (f"{len(report['failures'])} notebook(s) failed to execute:\n\n"
-                   + "\n\n".join(report["failures"].values()))
+        message = f"{len(report['failures'])} notebook(s) failed to execute:\n\n" + "\n\n".join(
+            report["failures"].values()
+        )
         if config.execution_raise_on_error:
             raise ExtensionError(message, modname=__name__)
         logger.warning(message)

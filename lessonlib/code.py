@@ -79,9 +79,11 @@ def show_code(path, region=None, *, pyobject=None, language="python"):
     file and lists what it has.
     """
     if (region is None) == (pyobject is None):
-        raise ValueError("show_code needs exactly one of: a region name (shown between '# [start: NAME]' "
-                         f"and '# [end: NAME]') or pyobject='function_or_class'; got region={region!r}, "
-                         f"pyobject={pyobject!r}")
+        raise ValueError(
+            "show_code needs exactly one of: a region name (shown between '# [start: NAME]' "
+            f"and '# [end: NAME]') or pyobject='function_or_class'; got region={region!r}, "
+            f"pyobject={pyobject!r}"
+        )
     file = resolve_script(path)
     source = file.read_text()
     lines = source.splitlines()
@@ -93,5 +95,5 @@ def show_code(path, region=None, *, pyobject=None, language="python"):
         have = ", ".join(sorted(spans)) or "none"
         raise ValueError(f"{path} has no {what} {key!r}; it has: {have}")
     first, last = spans[key]
-    body = [ln for ln in lines[first:last + 1] if not MARKER.match(ln)]
+    body = [ln for ln in lines[first : last + 1] if not MARKER.match(ln)]
     return Code(textwrap.dedent("\n".join(body)).strip("\n"), language)

@@ -19,8 +19,7 @@ from torch import nn
 
 TEST_SIZE = 357  # 1797 - 357 = 1440 training images: divisible by 1 to 6, so no rank gets padding
 SPLIT_SEED = 0
-MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-               "t10k-labels-idx1-ubyte")
+MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
 class Images(torch.utils.data.Dataset):
@@ -85,8 +84,9 @@ def load_mnist_arrays(data_dir):
     from torchvision.datasets import MNIST
 
     if not data_dir:
-        raise ValueError("--dataset mnist needs --data-dir DIR, the folder that holds MNIST/raw/; "
-                         "--dataset digits needs nothing")
+        raise ValueError(
+            "--dataset mnist needs --data-dir DIR, the folder that holds MNIST/raw/; --dataset digits needs nothing"
+        )
     raw = os.path.join(data_dir, "MNIST", "raw")
     try:
         sets = [MNIST(data_dir, train=train, download=False) for train in (True, False)]
@@ -94,7 +94,8 @@ def load_mnist_arrays(data_dir):
         raise FileNotFoundError(
             f"--dataset mnist: no MNIST files under {raw} ({e}). Expected {', '.join(MNIST_FILES)} there "
             "(or the same names with .gz). This course never downloads data: copy the files there, or use "
-            "--dataset digits, which needs nothing (scikit-learn ships it).") from None
+            "--dataset digits, which needs nothing (scikit-learn ships it)."
+        ) from None
     return [(s.data, s.targets.long()) for s in sets]
 
 
@@ -108,16 +109,24 @@ def datasets(name="digits", data_dir=None):
         raise ValueError(f"unknown dataset {name!r}; choose digits (bundled, no files) or mnist (needs --data-dir)")
     scaled = train_x.float() / 255
     mean, std = scaled.mean().item(), scaled.std().item()
-    return (Images(train_x, train_y, transforms(mean, std, augment=True)),
-            Images(test_x, test_y, transforms(mean, std, augment=False)))
+    return (
+        Images(train_x, train_y, transforms(mean, std, augment=True)),
+        Images(test_x, test_y, transforms(mean, std, augment=False)),
+    )
 
 
 def small_cnn(classes=10):
     """Two 3x3 convolutions and a linear layer; AdaptiveAvgPool makes 8x8 and 28x28 inputs both fit."""
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(32 * 4 * 4, classes))
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, classes),
+    )
 
 
 def save_atomic(state, path):

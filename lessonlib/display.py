@@ -81,6 +81,7 @@ class HtmlLiveView(NullView):
         self.changed, self.last_draw, self.elapsed = True, 0.0, 0.0
         if draw is None:
             from IPython.display import HTML, display
+
             handle = display(HTML(""), display_id=True)
             draw = lambda text: handle.update(HTML(text))  # noqa: E731
         self.draw = draw
@@ -146,9 +147,11 @@ def render_html(result):
     extra = ""
     if result.launcher_output.strip():
         n = len(result.launcher_output.splitlines())
-        extra = (f'<details style="margin-top:4px"><summary style="cursor:pointer">torchrun\'s own output '
-                 f'({n} lines, kept apart from the ranks)</summary>'
-                 f'<pre tabindex="0" style="{_PRE}">{html.escape(result.launcher_output)}</pre></details>')
+        extra = (
+            f'<details style="margin-top:4px"><summary style="cursor:pointer">torchrun\'s own output '
+            f"({n} lines, kept apart from the ranks)</summary>"
+            f'<pre tabindex="0" style="{_PRE}">{html.escape(result.launcher_output)}</pre></details>'
+        )
     return _frame(head, cols, extra, bad=not result.ok)
 
 
@@ -158,9 +161,12 @@ def show_table(rows, columns=None, title=None):
         columns = list(rows[0]) if rows else []
     if in_notebook():
         from IPython.display import HTML, display
+
         head = "".join(f'<th style="{_CELL}">{html.escape(str(c))}</th>' for c in columns)
-        body = "".join("<tr>" + "".join(f'<td style="{_CELL}">{html.escape(str(row.get(c, "")))}</td>'
-                                         for c in columns) + "</tr>" for row in rows)
+        body = "".join(
+            "<tr>" + "".join(f'<td style="{_CELL}">{html.escape(str(row.get(c, "")))}</td>' for c in columns) + "</tr>"
+            for row in rows
+        )
         cap = f"<caption>{html.escape(title)}</caption>" if title else ""
         display(HTML(f'<table style="border-collapse:collapse">{cap}<tr>{head}</tr>{body}</table>'))
     else:
@@ -173,8 +179,10 @@ def show_table(rows, columns=None, title=None):
 
 # --------------------------------------------------------------------------- HTML pieces
 
-_PRE = ("margin:0;padding:4px 6px;white-space:pre-wrap;word-break:break-word;max-height:30em;"
-        "overflow:auto;font-size:11.5px;line-height:1.35;background:#fbfbfb;color:#1b1b1b")
+_PRE = (
+    "margin:0;padding:4px 6px;white-space:pre-wrap;word-break:break-word;max-height:30em;"
+    "overflow:auto;font-size:11.5px;line-height:1.35;background:#fbfbfb;color:#1b1b1b"
+)
 # What a rank that printed nothing shows, so that its column does not look like a rendering fault.
 _QUIET = '<span class="lessonlib-quiet" style="color:#595959;font-style:italic">(this rank printed nothing)</span>'
 _CELL = "border:1px solid #ccc;padding:2px 8px;text-align:left;font-family:monospace"
@@ -203,16 +211,20 @@ def _capped(text, err):
 
 def _column(title, subtitle, body, bad=False):
     colour = "#fde8e8" if bad else "#e8eef8"
-    return (f'<div style="border:1px solid #c8c8c8;border-radius:4px;overflow:hidden;min-width:0">'
-            f'<div style="background:{colour};color:#1b1b1b;padding:2px 6px;font-family:sans-serif;font-size:12px">'
-            f'<b>{html.escape(title)}</b> &middot; {html.escape(subtitle)}</div>'
-            f'<pre tabindex="0" style="{_PRE}">{body}</pre></div>')
+    return (
+        f'<div style="border:1px solid #c8c8c8;border-radius:4px;overflow:hidden;min-width:0">'
+        f'<div style="background:{colour};color:#1b1b1b;padding:2px 6px;font-family:sans-serif;font-size:12px">'
+        f"<b>{html.escape(title)}</b> &middot; {html.escape(subtitle)}</div>"
+        f'<pre tabindex="0" style="{_PRE}">{body}</pre></div>'
+    )
 
 
 def _frame(head, cols, extra="", bad=False):
     n = max(1, min(len(cols), 4))
     colour = "#b00020" if bad else "#1b5e20"
-    return (f'<div class="lessonlib-run" style="font-size:12px">'
-            f'<div style="font-family:sans-serif;margin-bottom:4px;color:{colour}">{head}</div>'
-            f'<div style="display:grid;grid-template-columns:repeat({n},minmax(0,1fr));gap:6px">'
-            f'{"".join(cols)}</div>{extra}</div>')
+    return (
+        f'<div class="lessonlib-run" style="font-size:12px">'
+        f'<div style="font-family:sans-serif;margin-bottom:4px;color:{colour}">{head}</div>'
+        f'<div style="display:grid;grid-template-columns:repeat({n},minmax(0,1fr));gap:6px">'
+        f"{''.join(cols)}</div>{extra}</div>"
+    )

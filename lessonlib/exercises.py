@@ -37,14 +37,16 @@ def check_function(fn, script, nproc=3, args=(), timeout=120, show="none"):
     try:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError) as e:
-        raise TypeError(f"cannot read the source of {fn.__name__}: define it with def in a cell or file ({e})") \
-            from None
+        raise TypeError(
+            f"cannot read the source of {fn.__name__}: define it with def in a cell or file ({e})"
+        ) from None
     with tempfile.TemporaryDirectory(prefix="lessonlib-solution-") as folder:
         path = os.path.join(folder, "solution.py")
         with open(path, "w") as f:
             f.write(PRELUDE + source)
-        run = launch(script, nproc=nproc, args=[*args, "--solution", path, "--function", fn.__name__],
-                     timeout=timeout, show=show)
+        run = launch(
+            script, nproc=nproc, args=[*args, "--solution", path, "--function", fn.__name__], timeout=timeout, show=show
+        )
     if not run.ok:
         cause = run.root_cause
         raise AssertionError(f"not yet: {cause.error if cause and cause.error else run.describe_failure()}")
@@ -84,13 +86,25 @@ def checker_options(doc, default_function):
     """The checker's argparse parser: --solution FILE and --function NAME. Add a lesson's own options to it."""
     parser = argparse.ArgumentParser(description=doc.strip().splitlines()[2] if doc else None)
     parser.add_argument("--solution", help="Python file defining the solution (without it: the checker's self-test)")
-    parser.add_argument("--function", default=default_function,
-                        help=f"the solution's name in that file (default: {default_function})")
+    parser.add_argument(
+        "--function", default=default_function, help=f"the solution's name in that file (default: {default_function})"
+    )
     return parser
 
 
-def run_checker(doc, verdict, solutions, wrong=(), *, right_alone=(), also_right=(), passed="passes every check",
-                device="cpu", timeout=20, args=None):
+def run_checker(
+    doc,
+    verdict,
+    solutions,
+    wrong=(),
+    *,
+    right_alone=(),
+    also_right=(),
+    passed="passes every check",
+    device="cpu",
+    timeout=20,
+    args=None,
+):
     """The main() of a checker lesson (chapter 2): check a reader's solution, or test the checker itself.
 
     verdict(fn, ctx) runs on every rank and returns None, or the first problem this rank saw.

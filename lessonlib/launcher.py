@@ -35,24 +35,43 @@ import uuid
 import psutil
 
 from . import _runfolder as runfolder
-from .launchspec import ROOT, check_launch
-from .ports import reserve_port
-from .result import Ending, read_result
-from .runprocs import RankWatch, dump_stacks_then_kill, kill_all, run_processes
 
 # Names that notebooks, tests and the rest of lessonlib import from here, where launch's pieces lived before
 # they had modules of their own.
 from ._runfolder import RUN_ID_VAR  # noqa: F401
-from .launchspec import (BACKENDS, LAUNCHERS, MAX_NNODES, MAX_NPROC, MAX_TIMEOUT, RENDEZVOUS,  # noqa: F401
-                         RESERVED_ENV, LaunchSpec, check_backend, resolve_script)
-from .result import LaunchError, RankOutput, RunResult  # noqa: F401
-from .runprocs import STACK_DUMP_GRACE  # noqa: F401
+from .launchspec import (
+    RENDEZVOUS,  # noqa: F401
+    ROOT,
+    check_launch,
+)
+from .ports import reserve_port
+from .result import Ending, LaunchError, RankOutput, RunResult, read_result  # noqa: F401
+from .runprocs import (
+    STACK_DUMP_GRACE,  # noqa: F401
+    RankWatch,
+    dump_stacks_then_kill,
+    kill_all,
+    run_processes,
+)
 
 SHOW = ("auto", "html", "text", "none")
 
 
-def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backend=None,
-           launcher="torchrun", rendezvous="c10d", show="auto", cwd=None, stop=None):
+def launch(
+    script,
+    nproc=2,
+    args=None,
+    timeout=120,
+    env=None,
+    *,
+    nnodes=1,
+    backend=None,
+    launcher="torchrun",
+    rendezvous="c10d",
+    show="auto",
+    cwd=None,
+    stop=None,
+):
     """Run `script` under torchrun with `nproc` ranks per node and return a RunResult.
 
     nnodes > 1 starts that many torchrun agents on this machine that meet through a rendezvous on
@@ -66,8 +85,18 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
     Does not raise when the lesson fails: call `.raise_for_status()` for that.
     """
     # Check everything before starting anything.
-    spec = check_launch(script, nproc, args, timeout, env, nnodes=nnodes, backend=backend, launcher=launcher,
-                        rendezvous=rendezvous, cwd=cwd)
+    spec = check_launch(
+        script,
+        nproc,
+        args,
+        timeout,
+        env,
+        nnodes=nnodes,
+        backend=backend,
+        launcher=launcher,
+        rendezvous=rendezvous,
+        cwd=cwd,
+    )
     if show is True or show is None:
         show = "auto"
     elif show is False:
@@ -78,6 +107,7 @@ def launch(script, nproc=2, args=None, timeout=120, env=None, *, nnodes=1, backe
         raise ValueError(f"stop must be a threading.Event (or None); got {stop!r}")
 
     from .display import make_view
+
     view = make_view(show, spec.shown, list(spec.args), spec.nproc, spec.nnodes) if isinstance(show, str) else show
     # Several agents must be told one rendezvous port in advance; a single --standalone agent picks its own.
     with reserve_port() if spec.nnodes > 1 else contextlib.nullcontext() as port:
@@ -101,8 +131,11 @@ class _Run:
         self.id = uuid.uuid4().hex
         self.dir = tempfile.mkdtemp(prefix=f"lessonlib-{self.id[:8]}-")
         self.agents, self.agent_logs = [], []
-        self.tails = {(rank, stream): _Tail(runfolder.output_file(self.dir, rank, stream))
-                      for rank in range(spec.world_size) for stream in runfolder.STREAMS}
+        self.tails = {
+            (rank, stream): _Tail(runfolder.output_file(self.dir, rank, stream))
+            for rank in range(spec.world_size)
+            for stream in runfolder.STREAMS
+        }
         self.watch = RankWatch(self.dir, spec.world_size)
         self.timed_out = self.interrupted = False
         self.t0 = time.monotonic()
@@ -112,9 +145,17 @@ class _Run:
         for node in range(self.spec.nnodes):
             log = open(runfolder.agent_log(self.dir, node), "wb")
             self.agent_logs.append(log)
-            self.agents.append(psutil.Popen(_agent_command(self.spec, node, self.id, self.dir, port),
-                                            cwd=self.spec.cwd, env=env, stdin=subprocess.DEVNULL,
-                                            stdout=log, stderr=log, start_new_session=True))
+            self.agents.append(
+                psutil.Popen(
+                    _agent_command(self.spec, node, self.id, self.dir, port),
+                    cwd=self.spec.cwd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,
+                )
+            )
 
     def wait(self, stop):
         """Until every agent has exited, the time is up, or `stop` is set; show the ranks' lines meanwhile."""
@@ -157,8 +198,15 @@ class _Run:
         self._show_new_lines(final=True)
         leftovers = run_processes(self.id)  # must be empty; a process here is a launcher bug
         kill_all(leftovers)
-        ending = Ending([a.returncode for a in self.agents], [a.pid for a in self.agents], wall, self.timed_out,
-                        self.interrupted, self.watch.ended, leftovers)
+        ending = Ending(
+            [a.returncode for a in self.agents],
+            [a.pid for a in self.agents],
+            wall,
+            self.timed_out,
+            self.interrupted,
+            self.watch.ended,
+            leftovers,
+        )
         result = read_result(self.spec, self.dir, ending)
         shutil.rmtree(self.dir, ignore_errors=True)
         self.view.finish(result)
@@ -173,11 +221,17 @@ class _Run:
 
 def _environment(spec, run_id, run_dir):
     """Every process of the run: this process's environment, the caller's `env`, and the run folder's variables."""
-    env = {**os.environ, **spec.env, runfolder.RUN_ID_VAR: run_id, runfolder.RUN_DIR_VAR: run_dir,
-           runfolder.LAUNCHER_PID_VAR: str(os.getpid()),
-           "PYTHONUNBUFFERED": "1",  # ranks write to files: flush each line for the live view
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), spec.env.get("PYTHONPATH",
-                                                                               os.environ.get("PYTHONPATH"))]))}
+    env = {
+        **os.environ,
+        **spec.env,
+        runfolder.RUN_ID_VAR: run_id,
+        runfolder.RUN_DIR_VAR: run_dir,
+        runfolder.LAUNCHER_PID_VAR: str(os.getpid()),
+        "PYTHONUNBUFFERED": "1",  # ranks write to files: flush each line for the live view
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT), spec.env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))])
+        ),
+    }
     if spec.backend:
         env[runfolder.BACKEND_VAR] = spec.backend
     return env
@@ -187,16 +241,27 @@ def _agent_command(spec, node, run_id, run_dir, port):
     """The command line of torchrun agent `node`: lessonlib._agent_main, which is torch.distributed.run
     (or .launch) that dies with this process, starting lessonlib._rank_main on the script."""
     legacy = spec.launcher != "torchrun"
-    cmd = [sys.executable, "-m", "lessonlib._agent_main", *(["--legacy"] if legacy else []),
-           f"--nproc-per-node={spec.nproc}", "--local-addr=127.0.0.1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lessonlib._agent_main",
+        *(["--legacy"] if legacy else []),
+        f"--nproc-per-node={spec.nproc}",
+        "--local-addr=127.0.0.1",
+    ]
     # Its log folder in the run folder: otherwise each run leaves a torchelastic_* folder in /tmp for good
     # (the deprecated launcher too: it takes the same option).
     cmd += [f"--log-dir={runfolder.torchrun_log_dir(run_dir, node)}"]
     if spec.nnodes == 1:
         cmd += ["--standalone"]
     elif spec.rendezvous == "c10d":
-        cmd += [f"--nnodes={spec.nnodes}", f"--node-rank={node}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}"]
+        cmd += [
+            f"--nnodes={spec.nnodes}",
+            f"--node-rank={node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={run_id}",
+        ]
     else:
         cmd += [f"--nnodes={spec.nnodes}", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}"]
     return cmd + ["-m", "lessonlib._rank_main", spec.shown, *spec.args]

@@ -25,8 +25,18 @@ RENDEZVOUS = ("c10d", "static")
 # torchrun sets these for each rank; a value passed in `env` would be silently overwritten.
 # PYTHONUNBUFFERED is lessonlib's: the live view needs every line flushed. (PYTHONPATH in `env` is kept,
 # after the course root.)
-RESERVED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                "GROUP_WORLD_SIZE", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONUNBUFFERED")
+RESERVED_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PYTHONUNBUFFERED",
+)
 
 
 @dataclass(frozen=True)
@@ -68,8 +78,9 @@ def check_launch(script, nproc, args, timeout, env, *, nnodes, backend, launcher
     if not cwd.is_dir():
         raise FileNotFoundError(f"cwd {str(cwd)!r} is not a directory")
     shown = os.path.relpath(path, cwd) if path.is_relative_to(cwd) else str(path)
-    return LaunchSpec(path, shown, tuple(args), nproc, nnodes, timeout, MappingProxyType(env), backend, launcher,
-                      rendezvous, cwd)
+    return LaunchSpec(
+        path, shown, tuple(args), nproc, nnodes, timeout, MappingProxyType(env), backend, launcher, rendezvous, cwd
+    )
 
 
 def resolve_script(script, cwd=None):
@@ -120,8 +131,10 @@ def _check_env(env):
         if not isinstance(v, str):
             raise ValueError(f"env[{k!r}] must be a str (environment values are text); got {v!r}")
         if k in RESERVED_ENV or k.startswith(PREFIX):
-            raise ValueError(f"env[{k!r}] is set by torchrun or lessonlib for each rank and cannot be "
-                             f"overridden; reserved: {', '.join(RESERVED_ENV)} and {PREFIX}*")
+            raise ValueError(
+                f"env[{k!r}] is set by torchrun or lessonlib for each rank and cannot be "
+                f"overridden; reserved: {', '.join(RESERVED_ENV)} and {PREFIX}*"
+            )
     return dict(env)
 
 
@@ -133,11 +146,16 @@ def check_backend(backend, ranks_per_node):
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or None (pick automatically); got {backend!r}")
     if backend == "nccl":
         if not sys.platform.startswith("linux") or not list(Path("/dev").glob("nvidia[0-9]*")):
-            raise ValueError("backend 'nccl' needs NVIDIA GPUs and this machine has none "
-                             "(no /dev/nvidia* device); use 'gloo' or backend=None, which picks gloo on CPU")
+            raise ValueError(
+                "backend 'nccl' needs NVIDIA GPUs and this machine has none "
+                "(no /dev/nvidia* device); use 'gloo' or backend=None, which picks gloo on CPU"
+            )
         import torch
+
         if not torch.cuda.is_available():
             raise ValueError("backend 'nccl' needs CUDA, but torch.cuda.is_available() is False here; use 'gloo'")
         if torch.cuda.device_count() < ranks_per_node:
-            raise ValueError(f"backend 'nccl' needs one GPU per rank: {ranks_per_node} ranks per node but "
-                             f"{torch.cuda.device_count()} GPU(s); lower nproc or use 'gloo'")
+            raise ValueError(
+                f"backend 'nccl' needs one GPU per rank: {ranks_per_node} ranks per node but "
+                f"{torch.cuda.device_count()} GPU(s); lower nproc or use 'gloo'"
+            )

@@ -26,8 +26,7 @@ def _text(value):
     return f"{int(value)}" if isinstance(value, float) else str(value)
 
 
-def plot_ranks(panels, title=None, colour_of=None, box=0.55, ax=None, per_row=None, marked=None,
-               mark_label="marked"):
+def plot_ranks(panels, title=None, colour_of=None, box=0.55, ax=None, per_row=None, marked=None, mark_label="marked"):
     """Draw the panels left to right, at most `per_row` to a row of the figure; returns the figure.
 
     colour_of(value) -> a number used for the colour (default: the value itself). The colour scale is
@@ -50,22 +49,28 @@ def plot_ranks(panels, title=None, colour_of=None, box=0.55, ax=None, per_row=No
     lo, hi = min(keys, default=0), max(keys, default=0)
     names = list(panels)
     step = len(names) if ax is not None or not per_row else per_row
-    lines = [{k: panels[k] for k in names[i:i + step]} for i in range(0, len(names), step)]
+    lines = [{k: panels[k] for k in names[i : i + step]} for i in range(0, len(names), step)]
     if ax is not None:
         _draw(ax, panels, colour_of, lo, hi, marked)
         fig = ax.figure
     else:
         n = max(len(rows) for rows in panels.values())
         widest = max(sum(_width(rows) + 1.5 for rows in line.values()) for line in lines)
-        fig, axes = plt.subplots(len(lines), 1, squeeze=False, figsize=(
-            max(4.0, box * widest + 1.2), len(lines) * (0.5 + box * (n + 1.2))))
+        fig, axes = plt.subplots(
+            len(lines), 1, squeeze=False, figsize=(max(4.0, box * widest + 1.2), len(lines) * (0.5 + box * (n + 1.2)))
+        )
         for axis, line in zip(axes[:, 0], lines):
             _draw(axis, line, colour_of, lo, hi, marked)
     if title:
         fig.suptitle(title, fontsize=11)
     if any(any(any(r) for r in rows if r) for rows in marked.values()):
-        fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, facecolor="white", **MARK)], labels=[mark_label],
-                   loc="lower center", frameon=False, fontsize=9)
+        fig.legend(
+            handles=[plt.Rectangle((0, 0), 1, 1, facecolor="white", **MARK)],
+            labels=[mark_label],
+            loc="lower center",
+            frameon=False,
+            fontsize=9,
+        )
     return fig
 
 
@@ -88,8 +93,7 @@ def _draw(ax, panels, colour_of, lo, hi, marked=None):
         ax.text(x0 + width / 2, -0.9, name, ha="center", va="center", fontsize=10, weight="bold")
         for rank, values in enumerate(rows):
             if values is None:
-                ax.text(x0 + width / 2, rank + 0.5, "(nothing)", ha="center", va="center", color="grey",
-                        fontsize=8)
+                ax.text(x0 + width / 2, rank + 0.5, "(nothing)", ha="center", va="center", color="grey", fontsize=8)
                 continue
             marks = (marked or {}).get(name, [None] * len(rows))[rank] or [False] * len(values)
             for j, v in enumerate(values):
@@ -99,8 +103,15 @@ def _draw(ax, panels, colour_of, lo, hi, marked=None):
                 if marks[j]:
                     ax.add_patch(plt.Rectangle((x0 + j + 0.08, rank + 0.08), 0.84, 0.84, fill=False, **MARK))
                 dark = sum(face[:3]) < 1.4
-                ax.text(x0 + j + 0.5, rank + 0.5, _text(v), ha="center", va="center",
-                        fontsize=8 if len(_text(v)) > 3 else 9, color="white" if dark else "black")
+                ax.text(
+                    x0 + j + 0.5,
+                    rank + 0.5,
+                    _text(v),
+                    ha="center",
+                    va="center",
+                    fontsize=8 if len(_text(v)) > 3 else 9,
+                    color="white" if dark else "black",
+                )
         x0 += width + gap
     for rank in range(n):
         ax.text(-0.3, rank + 0.5, f"rank {rank}", ha="right", va="center", fontsize=9)

@@ -69,8 +69,12 @@ class RunResult:
 
     @property
     def ok(self):
-        return (not self.timed_out and not self.interrupted
-                and all(rc == 0 for rc in self.returncodes) and all(r.ok for r in self.ranks))
+        return (
+            not self.timed_out
+            and not self.interrupted
+            and all(rc == 0 for rc in self.returncodes)
+            and all(r.ok for r in self.ranks)
+        )
 
     @property
     def failed_ranks(self):
@@ -118,13 +122,19 @@ class RunResult:
         what = f"timed out after {self.timeout:g} s" if self.timed_out else "was interrupted"
         stuck = [r for r in self.ranks if r.status in ("hung", "interrupted")]
         if not stuck:
-            return (f"{self.script} {what} before any rank had started its script (torchrun was "
-                    f"still starting; everything was killed). torchrun said:\n{_tail(self.launcher_output, 30)}")
-        lines = [f"{self.script} {what}; rank(s) {_list(r.rank for r in stuck)} were still "
-                 "running and were killed. Their Python stacks at that moment:"]
+            return (
+                f"{self.script} {what} before any rank had started its script (torchrun was "
+                f"still starting; everything was killed). torchrun said:\n{_tail(self.launcher_output, 30)}"
+            )
+        lines = [
+            f"{self.script} {what}; rank(s) {_list(r.rank for r in stuck)} were still "
+            "running and were killed. Their Python stacks at that moment:"
+        ]
         for r in stuck:
-            lines += [f"--- rank {r.rank} stack ---",
-                      _stack_dump(r.stderr) or _tail(r.stderr, 30) or "(no stack printed)"]
+            lines += [
+                f"--- rank {r.rank} stack ---",
+                _stack_dump(r.stderr) or _tail(r.stderr, 30) or "(no stack printed)",
+            ]
         cause = self.root_cause
         if cause is not None:
             lines += [f"Before that, rank {cause.rank} failed:", cause.traceback or cause.error]
@@ -138,20 +148,25 @@ class RunResult:
             lines.append(_tail(self.launcher_output, 30))
             return "\n".join(lines)
         when = f" at +{cause.end - self.ranks_start:.2f} s" if cause.end and self.ranks_start else ""
-        lines.append(f"First failure (root cause): rank {cause.rank} exited {cause.exitcode}{when}"
-                     + (f" with {cause.error}" if cause.error else ""))
+        lines.append(
+            f"First failure (root cause): rank {cause.rank} exited {cause.exitcode}{when}"
+            + (f" with {cause.error}" if cause.error else "")
+        )
         for r in self.ranks:
             if r.ok or r is cause:
                 continue
-            lines.append(f"Then rank {r.rank}: {r.status}"
-                         + (f", exit code {r.exitcode}" if r.exitcode is not None else "")
-                         + (f" ({r.error})" if r.error else ""))
+            lines.append(
+                f"Then rank {r.rank}: {r.status}"
+                + (f", exit code {r.exitcode}" if r.exitcode is not None else "")
+                + (f" ({r.error})" if r.error else "")
+            )
             stack = _stack_dump(r.stderr) if r.status == "terminated" else ""
             if stack:
-                lines += [f"    where rank {r.rank} was when it was stopped:",
-                          "    " + stack.replace("\n", "\n    ")]
-        lines += [f"--- rank {cause.rank} traceback ---",
-                  cause.traceback or _tail(cause.stderr, 30) or "(no traceback: see its stderr)"]
+                lines += [f"    where rank {r.rank} was when it was stopped:", "    " + stack.replace("\n", "\n    ")]
+        lines += [
+            f"--- rank {cause.rank} traceback ---",
+            cause.traceback or _tail(cause.stderr, 30) or "(no traceback: see its stderr)",
+        ]
         return "\n".join(lines)
 
     @property
@@ -161,10 +176,12 @@ class RunResult:
 
     def _repr_html_(self):
         from .display import render_html
+
         return render_html(self)
 
     def __str__(self):
         from .display import render_text
+
         return render_text(self)
 
 
@@ -190,12 +207,16 @@ def _stack_dump(stderr):
     if not hits:
         return ""
     # The frames below the lesson (runpy, lessonlib._rank_main) are the launcher's, not the lesson's.
-    lines = [ln for ln in stderr[min(hits):].splitlines()
-             if "<frozen runpy>" not in ln and "lessonlib/_rank_main.py" not in ln]
+    lines = [
+        ln
+        for ln in stderr[min(hits) :].splitlines()
+        if "<frozen runpy>" not in ln and "lessonlib/_rank_main.py" not in ln
+    ]
     return "\n".join(lines).rstrip()
 
 
 # --------------------------------------------------------------------------- reading a run folder
+
 
 @dataclass(frozen=True)
 class Ending:
@@ -218,7 +239,8 @@ def read_result(spec, run_dir, ending):
     launcher_output = "\n".join(
         (f"--- torchrun agent for node {i} ---\n" if spec.nnodes > 1 else "")
         + runfolder.read_text(runfolder.agent_log(run_dir, i))
-        for i in range(spec.nnodes))
+        for i in range(spec.nnodes)
+    )
     from_torchrun = _torchrun_failures(launcher_output)
     ranks = []
     for rank in range(spec.world_size):
@@ -226,15 +248,30 @@ def read_result(spec, run_dir, ending):
         if r.start is not None and not recorded_exit:
             _judge_unrecorded(r, ending, from_torchrun.get(rank, ending.exitcodes.get(rank)))
         ranks.append(r)
-    return RunResult(spec.shown, list(spec.args), spec.nproc, spec.nnodes, ranks, launcher_output,
-                     ending.returncodes, ending.wall_time, spec.timeout, ending.timed_out, ending.interrupted,
-                     [f"pid {p.pid}" for p in ending.leftovers], ending.agent_pids)
+    return RunResult(
+        spec.shown,
+        list(spec.args),
+        spec.nproc,
+        spec.nnodes,
+        ranks,
+        launcher_output,
+        ending.returncodes,
+        ending.wall_time,
+        spec.timeout,
+        ending.timed_out,
+        ending.interrupted,
+        [f"pid {p.pid}" for p in ending.leftovers],
+        ending.agent_pids,
+    )
 
 
 def _as_recorded(run_dir, rank):
     """(RankOutput, whether it has an exit record) from what the rank wrote itself."""
-    r = RankOutput(rank, runfolder.read_text(runfolder.output_file(run_dir, rank, "stdout")),
-                   runfolder.read_text(runfolder.output_file(run_dir, rank, "stderr")))
+    r = RankOutput(
+        rank,
+        runfolder.read_text(runfolder.output_file(run_dir, rank, "stdout")),
+        runfolder.read_text(runfolder.output_file(run_dir, rank, "stderr")),
+    )
     r.reports.extend(runfolder.read_reports(run_dir, rank))
     start, done = runfolder.read_start(run_dir, rank), runfolder.read_exit(run_dir, rank)
     if start:

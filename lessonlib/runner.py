@@ -60,6 +60,7 @@ class UsageError(Exception):
 
 # --------------------------------------------------------------------------- lessons and chapters
 
+
 def lesson_files(root=ROOT):
     """Every lesson, by pattern (a new lesson is listed the moment it is added)."""
     return sorted(Path(root).glob(LESSON_GLOB))
@@ -142,11 +143,14 @@ def list_lessons(out=None, root=ROOT):
         out.write(f"  {command or 'lessons/' + path.name}\n")
         if summary:
             out.write(f"      {summary}\n")
-    out.write(f"\n{len(lessons)} lessons. Run one with: python -m lessonlib run lessons/NN_name.py "
-              "[-n N] [-- lesson options]\n")
+    out.write(
+        f"\n{len(lessons)} lessons. Run one with: python -m lessonlib run lessons/NN_name.py "
+        "[-n N] [-- lesson options]\n"
+    )
 
 
 # --------------------------------------------------------------------------- run
+
 
 def _nproc(text):
     try:
@@ -155,7 +159,8 @@ def _nproc(text):
         raise argparse.ArgumentTypeError(f"expected a whole number of ranks, 1 to {MAX_NPROC}; got {text!r}") from None
     if not 1 <= n <= MAX_NPROC:
         raise argparse.ArgumentTypeError(
-            f"must be from 1 to {MAX_NPROC} ranks (each rank is a whole Python process with torch loaded); got {n}")
+            f"must be from 1 to {MAX_NPROC} ranks (each rank is a whole Python process with torch loaded); got {n}"
+        )
     return n
 
 
@@ -188,8 +193,10 @@ def check_script(script, nproc):
         raise UsageError(f"{script}: not a lesson: not a UTF-8 text file") from None
     kind = kind_of(command)
     if kind == "spawn":
-        raise UsageError(f"{script} starts its own processes (torch.multiprocessing.spawn), so it does not run "
-                         f"under torchrun; run it as its docstring says: {command}")
+        raise UsageError(
+            f"{script} starts its own processes (torch.multiprocessing.spawn), so it does not run "
+            f"under torchrun; run it as its docstring says: {command}"
+        )
     if kind == "single" and nproc not in (None, 1):
         raise UsageError(f"{script} is a one-process script (its command is `{command}`): -n must be 1; got {nproc}")
     if nproc is None:
@@ -223,8 +230,9 @@ def failure_line(result):
     cause = result.root_cause
     first = ""
     if cause is not None:
-        first = f"rank {cause.rank} failed first" + (f" with {cause.error}" if cause.error else
-                                                     f", exit code {cause.exitcode}")
+        first = f"rank {cause.rank} failed first" + (
+            f" with {cause.error}" if cause.error else f", exit code {cause.exitcode}"
+        )
     if result.timed_out:
         stuck = [r.rank for r in result.ranks if r.status == "hung"]
         line = f"{result.script} timed out after {result.timeout:g} s (--timeout)"
@@ -244,7 +252,7 @@ def _exit_text(rank):
 
 def _wrap(line, width):
     line = line.expandtabs(4).rstrip()
-    return [line[i:i + width] for i in range(0, len(line), width)] or [""]
+    return [line[i : i + width] for i in range(0, len(line), width)] or [""]
 
 
 def render_columns(result, width):
@@ -255,7 +263,7 @@ def render_columns(result, width):
     col = max(8, (width - len(sep) * (per_row - 1)) // per_row)
     blocks = []
     for start in range(0, n, per_row):
-        ranks = result.ranks[start:start + per_row]
+        ranks = result.ranks[start : start + per_row]
         cells = []
         for r in ranks:
             lines = [f"rank {r.rank} ({_exit_text(r)})", "-" * col]
@@ -277,32 +285,53 @@ def render_columns(result, width):
 
 # --------------------------------------------------------------------------- command line
 
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="python -m lessonlib",
         description="Run the course's lessons from a terminal.",
         epilog="examples:\n  python -m lessonlib list\n  python -m lessonlib run lessons/01_launch.py -n 2\n"
-               "  python -m lessonlib run --help",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "  python -m lessonlib run --help",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", metavar="{run,list}")
     run = sub.add_parser(
-        "run", help="run a lesson under torchrun, each rank's lines shown live with a [rank N] prefix",
+        "run",
+        help="run a lesson under torchrun, each rank's lines shown live with a [rank N] prefix",
         description="Run a lesson under torchrun (lessonlib.launch): every rank's lines shown live with a\n"
-                    "[rank N] prefix, bounded by --timeout, no process left behind.",
+        "[rank N] prefix, bounded by --timeout, no process left behind.",
         usage="python -m lessonlib run SCRIPT [-n N] [--timeout SECONDS] [--columns] [-- LESSON OPTIONS ...]",
-        epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("script", help="the lesson, e.g. lessons/01_launch.py (python -m lessonlib list shows them)")
-    run.add_argument("-n", "--nproc", type=_nproc, default=None, metavar="N",
-                     help=f"ranks, 1 to {MAX_NPROC} (default: the N in the lesson's docstring command, "
-                          f"else {DEFAULT_NPROC})")
-    run.add_argument("--timeout", type=_timeout, default=DEFAULT_TIMEOUT, metavar="SECONDS",
-                     help=f"stop the run after this many seconds, printing where each rank was "
-                          f"(default {DEFAULT_TIMEOUT:g}, at most {MAX_TIMEOUT:g})")
-    run.add_argument("--columns", action="store_true",
-                     help="after the run, show the ranks side by side in columns as wide as the terminal")
-    sub.add_parser("list", help="list every lesson by chapter, with the command that runs it",
-                   description="List every lesson (lessons/NN_*.py) by chapter, with the command on the first "
-                               "line of its docstring and what it shows.")
+    run.add_argument(
+        "-n",
+        "--nproc",
+        type=_nproc,
+        default=None,
+        metavar="N",
+        help=f"ranks, 1 to {MAX_NPROC} (default: the N in the lesson's docstring command, else {DEFAULT_NPROC})",
+    )
+    run.add_argument(
+        "--timeout",
+        type=_timeout,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"stop the run after this many seconds, printing where each rank was "
+        f"(default {DEFAULT_TIMEOUT:g}, at most {MAX_TIMEOUT:g})",
+    )
+    run.add_argument(
+        "--columns",
+        action="store_true",
+        help="after the run, show the ranks side by side in columns as wide as the terminal",
+    )
+    sub.add_parser(
+        "list",
+        help="list every lesson by chapter, with the command that runs it",
+        description="List every lesson (lessons/NN_*.py) by chapter, with the command on the first "
+        "line of its docstring and what it shows.",
+    )
     return parser, run
 
 
@@ -312,7 +341,7 @@ def main(argv=None):
     try:
         # Everything after the first `--` belongs to the lesson; argparse never sees it.
         split = argv.index("--") if "--" in argv else len(argv)
-        ours, lesson_args = argv[:split], argv[split + 1:]
+        ours, lesson_args = argv[:split], argv[split + 1 :]
         parser, run_parser = build_parser()
         args, unknown = parser.parse_known_args(ours)
         if args.command is None:
@@ -320,8 +349,10 @@ def main(argv=None):
             return EXIT_USAGE
         if unknown:
             if args.command == "run":
-                run_parser.error(f"unrecognized argument(s) {' '.join(unknown)}: options for the lesson go after "
-                                 f"`--`, e.g. python -m lessonlib run {args.script} -- {' '.join(unknown)}")
+                run_parser.error(
+                    f"unrecognized argument(s) {' '.join(unknown)}: options for the lesson go after "
+                    f"`--`, e.g. python -m lessonlib run {args.script} -- {' '.join(unknown)}"
+                )
             parser.error(f"unrecognized argument(s): {' '.join(unknown)}")
         if args.command == "list":
             if split < len(argv):

@@ -63,9 +63,14 @@ def _run_argspec(mode, path, args=()):
     with tempfile.TemporaryDirectory(prefix="lessonlib-argspec-") as folder:
         out = Path(folder) / "out.json"
         try:
-            proc = subprocess.run([sys.executable, "-m", "lessonlib._argspec", mode, str(path), str(out), *args],
-                                  cwd=ROOT, capture_output=True, text=True, timeout=SPEC_TIMEOUT,
-                                  stdin=subprocess.DEVNULL)
+            proc = subprocess.run(
+                [sys.executable, "-m", "lessonlib._argspec", mode, str(path), str(out), *args],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=SPEC_TIMEOUT,
+                stdin=subprocess.DEVNULL,
+            )
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"reading the options of {path} took over {SPEC_TIMEOUT} s") from None
         data = json.loads(out.read_text()) if out.exists() else None
@@ -103,6 +108,7 @@ def _let_interrupts_stop_background_runs():
         return
     try:
         from IPython import get_ipython
+
         kernel = getattr(get_ipython(), "kernel", None)
     except ImportError:
         kernel = None
@@ -128,14 +134,23 @@ class RunPanel(widgets.VBox):
         self.specs = {o["flag"]: o for o in lesson_options(self.path) if o["flag"]}
         layout = widgets.Layout(width="auto")
         style = {"description_width": "initial"}
-        self.nproc = widgets.IntText(value=nproc, description="ranks", layout=widgets.Layout(width="8em"),
-                                     style=style, tooltip=f"1 to {MAX_RANKS}")
+        self.nproc = widgets.IntText(
+            value=nproc,
+            description="ranks",
+            layout=widgets.Layout(width="8em"),
+            style=style,
+            tooltip=f"1 to {MAX_RANKS}",
+        )
         self.options = {flag: self._control(spec, style, layout) for flag, spec in self.specs.items()}
         self._apply(args or [])
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
-        self.stop_button = widgets.Button(description="Stop", button_style="danger", icon="stop", disabled=True,
-                                          tooltip="Stops a run started with the Run button; for panel.run() "
-                                                  "in a cell, interrupt the kernel")
+        self.stop_button = widgets.Button(
+            description="Stop",
+            button_style="danger",
+            icon="stop",
+            disabled=True,
+            tooltip="Stops a run started with the Run button; for panel.run() in a cell, interrupt the kernel",
+        )
         self.command = widgets.HTML()
         self.status = widgets.HTML()
         self.output = widgets.HTML(layout=widgets.Layout(width="100%"))
@@ -145,10 +160,19 @@ class RunPanel(widgets.VBox):
         for control in [self.nproc, *self.options.values()]:
             control.observe(lambda _: self._show_command(), names="value")
         self._show_command()
-        controls = widgets.HBox([self.nproc, *self.options.values()],
-                                layout=widgets.Layout(flex_flow="row wrap", gap="2px 12px"))
-        super().__init__([controls, widgets.HBox([self.run_button, self.stop_button]), self.command,
-                          self.status, self.output, self.figure])
+        controls = widgets.HBox(
+            [self.nproc, *self.options.values()], layout=widgets.Layout(flex_flow="row wrap", gap="2px 12px")
+        )
+        super().__init__(
+            [
+                controls,
+                widgets.HBox([self.run_button, self.stop_button]),
+                self.command,
+                self.status,
+                self.output,
+                self.figure,
+            ]
+        )
         self.add_class("lessonlib-panel")
 
     # ------------------------------------------------------------------ controls
@@ -160,23 +184,34 @@ class RunPanel(widgets.VBox):
         if kind == "switch":
             return widgets.Checkbox(value=False, description=label, indent=False, tooltip=tip, layout=layout)
         if kind == "bool":
-            return widgets.Checkbox(value=bool(default), description=label, indent=False, tooltip=tip,
-                                    layout=layout)
+            return widgets.Checkbox(value=bool(default), description=label, indent=False, tooltip=tip, layout=layout)
         if kind == "choice":
             choices = [str(c) for c in spec["choices"]]
             value = str(default) if str(default) in choices else choices[0]
-            return widgets.Dropdown(options=choices, value=value, description=label, tooltip=tip, style=style,
-                                    layout=layout)
+            return widgets.Dropdown(
+                options=choices, value=value, description=label, tooltip=tip, style=style, layout=layout
+            )
         if kind in ("int", "float") and (default is None or isinstance(default, (int, float))):
             box = widgets.IntText if kind == "int" else widgets.FloatText
             if default is None:  # an optional number: a text box, empty means "not given"
-                return widgets.Text(value="", placeholder="default", description=label, tooltip=tip, style=style,
-                                    layout=widgets.Layout(width="14em"))
-            return box(value=default, description=label, tooltip=tip, style=style,
-                       layout=widgets.Layout(width="14em"))
+                return widgets.Text(
+                    value="",
+                    placeholder="default",
+                    description=label,
+                    tooltip=tip,
+                    style=style,
+                    layout=widgets.Layout(width="14em"),
+                )
+            return box(value=default, description=label, tooltip=tip, style=style, layout=widgets.Layout(width="14em"))
         text = "" if default is None else ",".join(map(str, default)) if isinstance(default, list) else str(default)
-        return widgets.Text(value=text, placeholder="default" if default is None else "", description=label,
-                            tooltip=tip, style=style, layout=widgets.Layout(width="24em"))
+        return widgets.Text(
+            value=text,
+            placeholder="default" if default is None else "",
+            description=label,
+            tooltip=tip,
+            style=style,
+            layout=widgets.Layout(width="24em"),
+        )
 
     def _apply(self, args):
         """Set the controls from a list like ['--steps', '5', '--flag']; unknown options are an error."""
@@ -213,7 +248,13 @@ class RunPanel(widgets.VBox):
             elif spec["kind"] == "bool":
                 args += [] if value == bool(default) else [flag if value else "--no-" + flag[2:]]
             elif isinstance(value, str):
-                shown = "" if default is None else ",".join(map(str, default)) if isinstance(default, list) else str(default)
+                shown = (
+                    ""
+                    if default is None
+                    else ",".join(map(str, default))
+                    if isinstance(default, list)
+                    else str(default)
+                )
                 args += [] if value.strip() in ("", shown) else [flag, value.strip()]
             elif value != default:
                 args += [flag, str(value)]
@@ -221,8 +262,10 @@ class RunPanel(widgets.VBox):
 
     def _show_command(self):
         cmd = command_line(self.script, self.settings(), self.nproc.value, 1)
-        self.command.value = (f'<div style="font-size:12px">Same run from a terminal: '
-                              f'<code style="user-select:all">{html.escape(cmd)}</code></div>')
+        self.command.value = (
+            f'<div style="font-size:12px">Same run from a terminal: '
+            f'<code style="user-select:all">{html.escape(cmd)}</code></div>'
+        )
 
     def _message(self, text, bad=False):
         colour = "#b00020" if bad else "#1b1b1b"
@@ -233,8 +276,9 @@ class RunPanel(widgets.VBox):
         problems = []
         n = self.nproc.value
         if not 1 <= n <= MAX_RANKS:
-            problems.append(f"ranks must be from 1 to {MAX_RANKS} (each rank is a whole Python process "
-                            f"with torch loaded); got {n}")
+            problems.append(
+                f"ranks must be from 1 to {MAX_RANKS} (each rank is a whole Python process with torch loaded); got {n}"
+            )
         for flag, spec in self.specs.items():
             value = self.options[flag].value
             if spec["kind"] in ("int", "float") and isinstance(value, str):  # optional number: "" = not given
@@ -243,21 +287,28 @@ class RunPanel(widgets.VBox):
                 try:
                     value = (int if spec["kind"] == "int" else float)(value.strip())
                 except ValueError:
-                    problems.append(f"{flag} must be a{'n integer' if spec['kind'] == 'int' else ' number'} "
-                                    f"(or empty for the lesson's default); got {value!r}")
+                    problems.append(
+                        f"{flag} must be a{'n integer' if spec['kind'] == 'int' else ' number'} "
+                        f"(or empty for the lesson's default); got {value!r}"
+                    )
                     continue
             if spec["kind"] == "int" and "low" in spec and not spec["low"] <= value <= spec["high"]:
                 problems.append(f"{flag} must be from {spec['low']} to {spec['high']}; got {value}")
         args = self.settings()
-        custom = [f for f, s in self.specs.items() if s["kind"] == "text" or s["kind"] in ("int", "float")
-                  and isinstance(self.options[f], widgets.Text)]
+        custom = [
+            f
+            for f, s in self.specs.items()
+            if s["kind"] == "text" or s["kind"] in ("int", "float") and isinstance(self.options[f], widgets.Text)
+        ]
         if not problems and any(f in args for f in custom):
             # A value only the lesson's own parser can judge (lessonlib.comma_list, ...): ask it.
             code, _, err = _run_argspec("check", self.path, args)
             if code != 0:
                 said = [ln for ln in err.strip().splitlines() if "error:" in ln]
-                problems.append(f"{self.script} rejects these options: "
-                                f"{said[-1].split('error:', 1)[1].strip() if said else err.strip()[-500:]}")
+                problems.append(
+                    f"{self.script} rejects these options: "
+                    f"{said[-1].split('error:', 1)[1].strip() if said else err.strip()[-500:]}"
+                )
         if problems:
             text = "; ".join(problems) + ". Nothing was started."
             self._message(text, bad=True)
@@ -284,8 +335,7 @@ class RunPanel(widgets.VBox):
             self._message(f"could not check the settings: {e}", bad=True)
             return
         _let_interrupts_stop_background_runs()
-        self._thread = threading.Thread(target=self._run, args=(args, True), daemon=True,
-                                        name="lessonlib-panel")
+        self._thread = threading.Thread(target=self._run, args=(args, True), daemon=True, name="lessonlib-panel")
         self.running = True  # before start(): a second click must not start a second run
         self._thread.start()
 
@@ -317,13 +367,17 @@ class RunPanel(widgets.VBox):
         def finished(result):
             finish(result)
             self.result = result
+
         view.finish = finished
         try:
-            result = launch(self.path, nproc=self.nproc.value, args=args, timeout=self.timeout, show=view,
-                            stop=self._stop)
+            result = launch(
+                self.path, nproc=self.nproc.value, args=args, timeout=self.timeout, show=view, stop=self._stop
+            )
         except KeyboardInterrupt:
-            self._message("interrupted: every process of the run was killed; the columns show what each rank "
-                          "printed until then", bad=True)
+            self._message(
+                "interrupted: every process of the run was killed; the columns show what each rank printed until then",
+                bad=True,
+            )
             raise
         except Exception as e:  # noqa: BLE001
             self._message(f"the run could not start: {e}", bad=True)
@@ -336,8 +390,10 @@ class RunPanel(widgets.VBox):
             self.run_button.disabled = False
             self.stop_button.disabled = True
         if result.interrupted:
-            self._message("stopped: every process of the run was killed; the columns show what each rank "
-                          "printed until then", bad=True)
+            self._message(
+                "stopped: every process of the run was killed; the columns show what each rank printed until then",
+                bad=True,
+            )
         else:
             self._message("")  # the columns' own head says how the run ended
         if result.ok and self.plot is not None:
@@ -347,6 +403,7 @@ class RunPanel(widgets.VBox):
     def _draw_plot(self, result):
         import matplotlib
         import matplotlib.pyplot as plt
+
         try:
             with matplotlib.rc_context({"interactive": False}):
                 fig = self.plot(result)
@@ -359,6 +416,7 @@ class RunPanel(widgets.VBox):
         alt = self.plot_alt(result) if callable(self.plot_alt) else self.plot_alt
         alt = alt or f"a picture drawn from the run of {command_line(self.script, result.args, result.nproc, 1)}"
         data = base64.b64encode(buffer.getvalue()).decode()
-        self.figure.value = (f'<img src="data:image/png;base64,{data}" alt="{html.escape(alt, quote=True)}" '
-                             'style="max-width:100%">')
+        self.figure.value = (
+            f'<img src="data:image/png;base64,{data}" alt="{html.escape(alt, quote=True)}" style="max-width:100%">'
+        )
         self.figure.layout.display = None

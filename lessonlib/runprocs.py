@@ -142,8 +142,15 @@ def run_bounded(argv, timeout, *, cwd=None, env=None, merge_output=True):
     env, mark = marked_environment(env)
     started = time.monotonic()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([str(a) for a in argv], cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT if merge_output else err, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(a) for a in argv],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT if merge_output else err,
+            start_new_session=True,
+        )
         timed_out = False
         try:
             proc.wait(timeout=timeout)
@@ -155,8 +162,14 @@ def run_bounded(argv, timeout, *, cwd=None, env=None, merge_output=True):
         for f in (out, err):
             f.seek(0)
             texts.append(f.read().decode("utf-8", errors="replace"))
-    return Finished([str(a) for a in argv], proc.returncode, texts[0], None if merge_output else texts[1],
-                    time.monotonic() - started, timed_out)
+    return Finished(
+        [str(a) for a in argv],
+        proc.returncode,
+        texts[0],
+        None if merge_output else texts[1],
+        time.monotonic() - started,
+        timed_out,
+    )
 
 
 def marked_environment(env=None):

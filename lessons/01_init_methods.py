@@ -28,8 +28,7 @@ METHODS = ("env", "tcp", "file")
 
 def agent_store(timeout):
     """A client of the store that torchrun's agent runs at MASTER_ADDR:MASTER_PORT (what env:// uses)."""
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timeout)
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
 
 
 # [start: init_url]
@@ -50,6 +49,8 @@ def init_url(method, rank, world_size, timeout, stack):
     # One file name that every rank derives from the id torchrun gave this run.
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
     return "file://" + os.path.join(tempfile.gettempdir(), f"lesson-init-{run_id}")
+
+
 # [end: init_url]
 
 

@@ -22,8 +22,7 @@ import torch.distributed as dist
 
 import lessonlib
 
-TORCHRUN_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "MASTER_ADDR", "MASTER_PORT"]
+TORCHRUN_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"]
 
 
 # [start: read_env]
@@ -33,6 +32,8 @@ def read_env():
     env["PID"] = os.getpid()
     env["PPID"] = os.getppid()  # under torchrun: the torchrun agent of this node
     return env
+
+
 # [end: read_env]
 
 
@@ -55,6 +56,8 @@ def check_env(ctx, env, everyone):
     for e in everyone:
         by_node.setdefault(e["GROUP_RANK"], set()).add(e["PPID"])
     assert all(len(parents) == 1 for parents in by_node.values()), f"one node, several agents: {by_node}"
+
+
 # [end: check_env]
 
 

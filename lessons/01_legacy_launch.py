@@ -25,6 +25,8 @@ def local_rank_sources(argv_value):
     if argv_value is not None and env_value is not None:
         assert argv_value == env_value, f"--local-rank={argv_value} but LOCAL_RANK={env_value}"
     return {"argv": argv_value, "env": env_value, "used": env_value if env_value is not None else argv_value or 0}
+
+
 # [end: local_rank]
 
 

@@ -32,6 +32,8 @@ def memory_is_private(ctx):
         expected = ["original", "changed by rank 0"] if rank == 0 else ["original"]
         assert copy == expected, f"rank {rank} sees {copy}, expected {expected}"
     return copies
+
+
 # [end: memory_is_private]
 
 
@@ -80,8 +82,10 @@ def main():
     print(f"rank {ctx.rank}: my SHARED = {SHARED}")
     box = threads_share_memory()
     serial, threaded = gil_timing(args.loop)
-    print(f"rank {ctx.rank}: 2 x count() serial {serial:.3f} s, in 2 threads {threaded:.3f} s "
-          f"(threads/serial = {threaded / serial:.2f})")
+    print(
+        f"rank {ctx.rank}: 2 x count() serial {serial:.3f} s, in 2 threads {threaded:.3f} s "
+        f"(threads/serial = {threaded / serial:.2f})"
+    )
     lessonlib.report("gil", {"serial": serial, "threaded": threaded})
     if ctx.is_main:
         print(f"every rank's copy of SHARED: {copies}")

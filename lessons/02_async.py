@@ -39,8 +39,7 @@ def read_before_wait(ctx, signal):
     assert torch.all(x == total), f"rank {ctx.rank}: after wait() x = {x.tolist()}, expected {total}"
     if ctx.rank == 0 and n > 1 and ctx.backend == "gloo":  # nobody else had joined: no sum yet
         assert not done and not torch.all(peek == total), f"rank 0: before wait() x was {peek.tolist()}"
-    return {"completed right after the call": done, "x before wait()": peek[0].item(),
-            "x after wait()": x[0].item()}
+    return {"completed right after the call": done, "x before wait()": peek[0].item(), "x after wait()": x[0].item()}
 
 
 def write_before_wait(ctx, signal):
@@ -58,6 +57,8 @@ def write_before_wait(ctx, signal):
     if n > 1 and ctx.backend == "gloo":  # gloo reads x once the peers are there: after the write
         assert not torch.all(x == total), f"rank {ctx.rank}: the write did not leak this time"
     return {"expected": total, "got": x[0].item()}
+
+
 # [end: wait]
 
 
@@ -89,12 +90,21 @@ def overlap(ctx, numel, repeats):
     rows = []
     for name, work in [("sleep (CPU left free)", lambda: time.sleep(comm_s)), ("matmuls (CPU busy)", matmuls)]:
         work_s = timeit(work)
-        serial_s = timeit(lambda: (comm().wait(), work()))
-        overlapped_s = timeit(lambda: (w := comm(), work(), w.wait()))
-        rows.append({"work": name, "comm alone (ms)": comm_s * 1e3, "work alone (ms)": work_s * 1e3,
-                     "comm, then work (ms)": serial_s * 1e3, "work during async comm (ms)": overlapped_s * 1e3,
-                     "saved": 1 - overlapped_s / serial_s})
+        serial_s = timeit(lambda: (comm().wait(), work()))  # noqa: B023 - called in this iteration
+        overlapped_s = timeit(lambda: (w := comm(), work(), w.wait()))  # noqa: B023
+        rows.append(
+            {
+                "work": name,
+                "comm alone (ms)": comm_s * 1e3,
+                "work alone (ms)": work_s * 1e3,
+                "comm, then work (ms)": serial_s * 1e3,
+                "work during async comm (ms)": overlapped_s * 1e3,
+                "saved": 1 - overlapped_s / serial_s,
+            }
+        )
     return rows
+
+
 # [end: overlap]
 
 
@@ -106,6 +116,8 @@ def mean_via_future(ctx):
     expected = (ctx.world_size - 1) / 2  # mean of 0..n-1
     assert torch.allclose(mean.cpu(), torch.full((3,), expected)), f"rank {ctx.rank}: mean {mean.tolist()}"
     return mean[0].item()
+
+
 # [end: future]
 
 
@@ -120,13 +132,17 @@ def main():
     ctx = lessonlib.setup()
     signal = dist.new_group(backend="gloo", timeout=ctx.timeout)  # a side channel: rank 0 says "go"
     row = lessonlib.report("wait", read_before_wait(ctx, signal))
-    print(f"completed at once: {row['completed right after the call']}; x before wait(): "
-          f"{row['x before wait()']}, after: {row['x after wait()']}")
+    print(
+        f"completed at once: {row['completed right after the call']}; x before wait(): "
+        f"{row['x before wait()']}, after: {row['x after wait()']}"
+    )
     row = lessonlib.report("write_before_wait", write_before_wait(ctx, signal))
     print(f"rank 0 wrote to x before wait(): result {row['got']}, the sum of the inputs is {row['expected']}")
     for row in lessonlib.report("overlap", overlap(ctx, args.numel, args.repeats)):
-        print(f"{row['work']}: comm {row['comm alone (ms)']:.1f} ms, work {row['work alone (ms)']:.1f} ms, "
-              f"serial {row['comm, then work (ms)']:.1f} ms, overlapped {row['work during async comm (ms)']:.1f} ms")
+        print(
+            f"{row['work']}: comm {row['comm alone (ms)']:.1f} ms, work {row['work alone (ms)']:.1f} ms, "
+            f"serial {row['comm, then work (ms)']:.1f} ms, overlapped {row['work during async comm (ms)']:.1f} ms"
+        )
     print(f"mean over ranks via a future: {lessonlib.report('future', mean_via_future(ctx))}")
     lessonlib.teardown()
 

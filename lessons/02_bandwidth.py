@@ -28,8 +28,14 @@ OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 # [start: bus_factor]
 def bus_factor(op, n):
     """How much data each rank must move per byte of S; 0 at n = 1, where nothing moves."""
-    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-            "reduce_scatter": (n - 1) / n, "broadcast": 1.0 if n > 1 else 0.0}[op]
+    return {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "broadcast": 1.0 if n > 1 else 0.0,
+    }[op]
+
+
 # [end: bus_factor]
 
 
@@ -59,6 +65,7 @@ def make_call(op, nbytes, n, device):
         x.fill_(r + 1)
         call()
         assert torch.all(out == expected), f"rank {r}: {op} of {numel * 4} bytes gave {out[:4].tolist()}..."
+
     return call, check, numel
 
 
@@ -87,8 +94,16 @@ def measure(op, nbytes, n, min_seconds, device):
     dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     check()
     seconds, size = mean.item(), numel * 4
-    return {"op": op, "bytes": size, "calls": calls.item(), "time (us)": seconds * 1e6,
-            "algbw (GB/s)": size / seconds / 1e9, "busbw (GB/s)": size / seconds / 1e9 * bus_factor(op, n)}
+    return {
+        "op": op,
+        "bytes": size,
+        "calls": calls.item(),
+        "time (us)": seconds * 1e6,
+        "algbw (GB/s)": size / seconds / 1e9,
+        "busbw (GB/s)": size / seconds / 1e9 * bus_factor(op, n),
+    }
+
+
 # [end: measure]
 
 
@@ -109,8 +124,12 @@ def memcpy_bandwidth(nbytes, device, repeats=5):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--ops", type=lessonlib.comma_list(choices=OPS), default="all_reduce,all_gather,broadcast",
-                        help=f"comma-separated, from {', '.join(OPS)}")
+    parser.add_argument(
+        "--ops",
+        type=lessonlib.comma_list(choices=OPS),
+        default="all_reduce,all_gather,broadcast",
+        help=f"comma-separated, from {', '.join(OPS)}",
+    )
     parser.add_argument("--min-bytes", type=int, default=4 << 10)
     parser.add_argument("--max-bytes", type=int, default=16 << 20)
     parser.add_argument("--min-seconds", type=float, default=0.05, help="time spent per size, at least")
@@ -130,8 +149,10 @@ def main():
         for nbytes in sizes:
             row = lessonlib.report("bandwidth", measure(op, nbytes, n, args.min_seconds, ctx.device))
             if ctx.is_main:
-                print(f"{op:<15}{row['bytes']:>10} B {row['time (us)']:>10.0f} us  algbw {row['algbw (GB/s)']:6.3f}"
-                      f"  busbw {row['busbw (GB/s)']:6.3f} GB/s")
+                print(
+                    f"{op:<15}{row['bytes']:>10} B {row['time (us)']:>10.0f} us  algbw {row['algbw (GB/s)']:6.3f}"
+                    f"  busbw {row['busbw (GB/s)']:6.3f} GB/s"
+                )
     copy = lessonlib.report("memcpy", {"bytes": 64 << 20, "GB/s": memcpy_bandwidth(64 << 20, ctx.device)})
     print(f"rank {ctx.rank}: memcpy {copy['GB/s']:.2f} GB/s (64 MiB, all ranks copying at once)")
     lessonlib.teardown()

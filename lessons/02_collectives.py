@@ -28,8 +28,19 @@ import torch.distributed as dist
 
 import lessonlib
 
-OPS = ["broadcast", "scatter", "reduce", "gather", "all_reduce", "all_gather", "all_gather_single",
-       "reduce_scatter_single", "all_to_all_single", "barrier", "monitored_barrier"]
+OPS = [
+    "broadcast",
+    "scatter",
+    "reduce",
+    "gather",
+    "all_reduce",
+    "all_gather",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+]
 REDUCE_OPS = ["SUM", "PRODUCT", "MIN", "MAX", "AVG"]
 SPLIT_OPS = ["scatter", "reduce_scatter_single", "all_to_all_single"]  # one chunk of the tensor per rank
 
@@ -65,8 +76,15 @@ def run_scatter(ctx, n, numel):
     out = torch.zeros(c, dtype=torch.int64, device=ctx.device)
     chunks = list(start(ctx, 0, numel).chunk(n)) if ctx.is_main else None  # only the source holds the list
     dist.scatter(out, chunks, src=0)  # rank k receives chunk k
-    show(ctx, "scatter", start(ctx, 0, numel).tolist() if ctx.is_main else None, out.tolist(),
-         [value(0, ctx.rank * c + i) for i in range(c)])
+    show(
+        ctx,
+        "scatter",
+        start(ctx, 0, numel).tolist() if ctx.is_main else None,
+        out.tolist(),
+        [value(0, ctx.rank * c + i) for i in range(c)],
+    )
+
+
 # [end: one_to_many]
 
 
@@ -79,8 +97,14 @@ def run_reduce(ctx, n, numel):
     if ctx.is_main:
         show(ctx, "reduce (SUM to 0)", before, x.tolist(), total)
     else:  # the result is only defined on dst; here the buffer may hold partial sums
-        show(ctx, "reduce (SUM to 0)", before, x.tolist(), None,
-             "unchanged" if x.tolist() == before else "changed: scratch space, not a result")
+        show(
+            ctx,
+            "reduce (SUM to 0)",
+            before,
+            x.tolist(),
+            None,
+            "unchanged" if x.tolist() == before else "changed: scratch space, not a result",
+        )
 
 
 def run_gather(ctx, n, numel):
@@ -89,6 +113,8 @@ def run_gather(ctx, n, numel):
     dist.gather(x, out, dst=0)
     expected = [value(r, j) for r in range(n) for j in range(numel)] if ctx.is_main else None
     show(ctx, "gather (to 0)", x.tolist(), torch.cat(out).tolist() if ctx.is_main else None, expected)
+
+
 # [end: many_to_one]
 
 
@@ -107,6 +133,8 @@ def run_all_reduce(ctx, n, numel):
         before = x.tolist()
         dist.all_reduce(x, op=getattr(dist.ReduceOp, name))
         show(ctx, f"all_reduce {name}", before, x.tolist(), [closed_form[name](j) for j in range(numel)])
+
+
 # [end: all_reduce]
 
 
@@ -115,8 +143,7 @@ def run_all_gather(ctx, n, numel):
     x = start(ctx, ctx.rank, numel)
     out = [torch.zeros(numel, dtype=torch.int64, device=ctx.device) for _ in range(n)]
     dist.all_gather(out, x)  # a list with one tensor per rank
-    show(ctx, "all_gather", x.tolist(), torch.cat(out).tolist(),
-         [value(r, j) for r in range(n) for j in range(numel)])
+    show(ctx, "all_gather", x.tolist(), torch.cat(out).tolist(), [value(r, j) for r in range(n) for j in range(numel)])
 
 
 def run_all_gather_single(ctx, n, numel):
@@ -133,8 +160,13 @@ def run_reduce_scatter_single(ctx, n, numel):
     out = torch.zeros(c, dtype=torch.int64, device=ctx.device)
     # Rank k gets the sum of everyone's chunk k (formerly reduce_scatter_tensor; reduce_scatter takes lists).
     dist.reduce_scatter_single(out, x, op=dist.ReduceOp.SUM)
-    show(ctx, "reduce_scatter_single", x.tolist(), out.tolist(),
-         [sum(value(r, ctx.rank * c + i) for r in range(n)) for i in range(c)])
+    show(
+        ctx,
+        "reduce_scatter_single",
+        x.tolist(),
+        out.tolist(),
+        [sum(value(r, ctx.rank * c + i) for r in range(n)) for i in range(c)],
+    )
 
 
 def run_all_to_all_single(ctx, n, numel):
@@ -142,8 +174,15 @@ def run_all_to_all_single(ctx, n, numel):
     x = start(ctx, ctx.rank, numel)
     out = torch.zeros(numel, dtype=torch.int64, device=ctx.device)
     dist.all_to_all_single(out, x)  # rank k sends its chunk j to rank j: a transpose across ranks
-    show(ctx, "all_to_all_single", x.tolist(), out.tolist(),
-         [value(r, ctx.rank * c + i) for r in range(n) for i in range(c)])
+    show(
+        ctx,
+        "all_to_all_single",
+        x.tolist(),
+        out.tolist(),
+        [value(r, ctx.rank * c + i) for r in range(n) for i in range(c)],
+    )
+
+
 # [end: all_to_all]
 
 
@@ -166,17 +205,29 @@ def run_barrier(ctx, n, monitored=False, absent_rank=-1, gloo=None):
     assert left >= last_arrival - 1e-3, f"rank {ctx.rank} left {last_arrival - left:.3f} s before the last arrival"
     op = "monitored_barrier" if monitored else "barrier"
     show(ctx, op, f"arrived at +{arrived - stamps[0][0]:.2f} s", f"left at +{left - stamps[0][0]:.2f} s", None)
+
+
 # [end: barriers]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--ops", type=lessonlib.comma_list(choices=OPS), default=",".join(OPS),
-                        help=f"comma-separated subset of: {', '.join(OPS)}")
+    parser.add_argument(
+        "--ops",
+        type=lessonlib.comma_list(choices=OPS),
+        default=",".join(OPS),
+        help=f"comma-separated subset of: {', '.join(OPS)}",
+    )
     # At most 9, so that the units digit stays the position: with 10 or more, rank 0's eleventh number
     # would be 11, like rank 1's first.
-    parser.add_argument("--numel", type=int, default=None, choices=range(1, 10), metavar="1..9",
-                        help="elements in each rank's tensor (default: the world size)")
+    parser.add_argument(
+        "--numel",
+        type=int,
+        default=None,
+        choices=range(1, 10),
+        metavar="1..9",
+        help="elements in each rank's tensor (default: the world size)",
+    )
     parser.add_argument("--absent-rank", type=int, default=-1, help="this rank never reaches the barriers")
     parser.add_argument("--pg-timeout", type=float, default=None, help="process-group timeout, seconds")
     args = parser.parse_args()
@@ -190,22 +241,34 @@ def main():
         lessonlib.teardown()  # leave the group together before exiting: see its docstring
         allowed = ", ".join(str(v) for v in range(n, 10, n)) or "none of 1..9: omit --numel"
         one = len(split) == 1
-        parser.error(f"--numel {numel}: {', '.join(split)} {'cuts' if one else 'cut'} each tensor into {n} equal "
-                     f"chunks, one per rank, so at {n} ranks --numel must be a multiple of {n} ({allowed}); "
-                     f"or leave {'it' if one else 'them'} out with --ops")
+        parser.error(
+            f"--numel {numel}: {', '.join(split)} {'cuts' if one else 'cut'} each tensor into {n} equal "
+            f"chunks, one per rank, so at {n} ranks --numel must be a multiple of {n} ({allowed}); "
+            f"or leave {'it' if one else 'them'} out with --ops"
+        )
     # monitored_barrier exists on gloo only: under NCCL it runs on a gloo group of all ranks.
     gloo = dist.group.WORLD if ctx.backend == "gloo" else dist.new_group(backend="gloo", timeout=ctx.timeout)
-    runs = {"broadcast": run_broadcast, "scatter": run_scatter, "reduce": run_reduce, "gather": run_gather,
-            "all_reduce": run_all_reduce, "all_gather": run_all_gather, "all_gather_single": run_all_gather_single,
-            "reduce_scatter_single": run_reduce_scatter_single, "all_to_all_single": run_all_to_all_single}
+    runs = {
+        "broadcast": run_broadcast,
+        "scatter": run_scatter,
+        "reduce": run_reduce,
+        "gather": run_gather,
+        "all_reduce": run_all_reduce,
+        "all_gather": run_all_gather,
+        "all_gather_single": run_all_gather_single,
+        "reduce_scatter_single": run_reduce_scatter_single,
+        "all_to_all_single": run_all_to_all_single,
+    }
     for op in ops:
         if op in ("barrier", "monitored_barrier"):
             run_barrier(ctx, n, monitored=op == "monitored_barrier", absent_rank=args.absent_rank, gloo=gloo)
         else:
             runs[op](ctx, n, numel)
     if ctx.is_main:
-        print(f"{len(ops)} ops checked on {n} ranks against their closed forms, backend {ctx.backend}"
-              + ("" if args.numel is None else f", {numel} elements per rank"))
+        print(
+            f"{len(ops)} ops checked on {n} ranks against their closed forms, backend {ctx.backend}"
+            + ("" if args.numel is None else f", {numel} elements per rank")
+        )
     lessonlib.teardown()
 
 

@@ -23,9 +23,26 @@ import torch.distributed as dist
 from lessonlib.exercises import run_checker
 
 # Everything that could stand in for broadcast; the checker's own bookkeeping runs after they are back.
-OTHERS = ["all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object", "gather",
-          "gather_object", "all_reduce", "reduce", "scatter", "all_to_all", "all_to_all_single",
-          "reduce_scatter", "reduce_scatter_single", "send", "recv", "isend", "irecv", "batch_isend_irecv"]
+OTHERS = [
+    "all_gather",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "gather",
+    "gather_object",
+    "all_reduce",
+    "reduce",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+]
 
 
 @contextlib.contextmanager
@@ -34,8 +51,7 @@ def only_broadcast():
     saved = {name: getattr(dist, name) for name in OTHERS}
 
     def refuse(*args, **kwargs):
-        raise RuntimeError("this exercise builds all_gather from dist.broadcast alone: "
-                           "other collectives are off")
+        raise RuntimeError("this exercise builds all_gather from dist.broadcast alone: other collectives are off")
 
     for name in OTHERS:
         setattr(dist, name, refuse)
@@ -70,6 +86,8 @@ def all_gather_from_broadcast(tensor_list, tensor):
         if dist.get_rank() == k:
             tensor_list[k].copy_(tensor)  # broadcast into the output slot, never into `tensor` itself
         dist.broadcast(tensor_list[k], src=k)
+
+
 # [end: solution]
 
 
@@ -81,9 +99,15 @@ def broadcast_in_place(tensor_list, tensor):
 
 
 def main():
-    run_checker(__doc__, verdict, all_gather_from_broadcast, wrong=[broadcast_in_place],
-                right_alone=[broadcast_in_place],  # one rank: broadcasting in place is harmless
-                passed="gathers like dist.all_gather", device=None)  # device=None: GPUs (nccl) where there are
+    run_checker(
+        __doc__,
+        verdict,
+        all_gather_from_broadcast,
+        wrong=[broadcast_in_place],
+        right_alone=[broadcast_in_place],  # one rank: broadcasting in place is harmless
+        passed="gathers like dist.all_gather",
+        device=None,
+    )  # device=None: GPUs (nccl) where there are
 
 
 if __name__ == "__main__":

@@ -71,8 +71,13 @@ def try_reduce_op(ctx, name, dtype, group):
         expected = 0.5 * sum(values)
     else:
         dist.all_reduce(x, op=getattr(dist.ReduceOp, name), group=group)
-        expected = {"SUM": sum(values), "PRODUCT": functools.reduce(operator.mul, values),
-                    "MIN": min(values), "MAX": max(values), "AVG": sum(values) / n}.get(name)
+        expected = {
+            "SUM": sum(values),
+            "PRODUCT": functools.reduce(operator.mul, values),
+            "MIN": min(values),
+            "MAX": max(values),
+            "AVG": sum(values) / n,
+        }.get(name)
         if name in BITWISE:
             expected = functools.reduce(BITWISE[name], values)
     assert torch.all(x.double() == expected), f"rank {ctx.rank}: all_reduce {name} {dtype} gave {x.tolist()}"
@@ -112,14 +117,21 @@ def collective_calls(ctx):
         "scatter": lambda g: dist.scatter(torch.empty(1), list(ranks.chunk(n)) if r == 0 else None, src=0, group=g),
         "reduce_scatter": lambda g: dist.reduce_scatter(torch.empty(1), list(ranks.chunk(n)), group=g),
         "reduce_scatter_single": lambda g: dist.reduce_scatter_single(torch.empty(1), ranks.clone(), group=g),
-        "reduce_scatter_tensor (old name)": lambda g: dist.reduce_scatter_tensor(torch.empty(1), ranks.clone(), group=g),
+        "reduce_scatter_tensor (old name)": lambda g: dist.reduce_scatter_tensor(
+            torch.empty(1), ranks.clone(), group=g
+        ),
         "all_to_all": lambda g: dist.all_to_all([torch.empty(1) for _ in range(n)], list(x.chunk(n)), group=g),
         "all_to_all_single": transposed,
         "all_to_all_single, uneven splits": lambda g: dist.all_to_all_single(
-            torch.empty(sum(range(1, n + 1))), torch.full((n * (r + 1),), float(r)),
-            output_split_sizes=[k + 1 for k in range(n)], input_split_sizes=[r + 1] * n, group=g),
+            torch.empty(sum(range(1, n + 1))),
+            torch.full((n * (r + 1),), float(r)),
+            output_split_sizes=[k + 1 for k in range(n)],
+            input_split_sizes=[r + 1] * n,
+            group=g,
+        ),
         "all_gather, tensors of different sizes": lambda g: dist.all_gather(
-            [torch.empty(k + 1) for k in range(n)], torch.full((r + 1,), float(r)), group=g),
+            [torch.empty(k + 1) for k in range(n)], torch.full((r + 1,), float(r)), group=g
+        ),
         "barrier": lambda g: dist.barrier(group=g),
         "monitored_barrier": lambda g: dist.monitored_barrier(group=g),
     }
@@ -133,8 +145,9 @@ def main():
 
     probe, table = Prober(ctx), []
     for name in ["SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM"]:
-        table.append({"all_reduce op": name, **{d: probe(lambda g: try_reduce_op(ctx, name, t, g))
-                                                 for d, t in DTYPES.items()}})
+        table.append(
+            {"all_reduce op": name, **{d: probe(lambda g: try_reduce_op(ctx, name, t, g)) for d, t in DTYPES.items()}}  # noqa: B023
+        )
     calls = [{"call": name, "float32": probe(fn)} for name, fn in collective_calls(ctx).items()]
     probe.close()
 
@@ -148,8 +161,7 @@ def main():
     if ctx.is_main:
         for row in table + calls:
             print(" | ".join(f"{v}" for v in row.values()))
-        print(f"gloo, {n} ranks: outcomes agree on every rank ({probe.calls} calls in "
-              f"{probe.groups_made} gloo groups)")
+        print(f"gloo, {n} ranks: outcomes agree on every rank ({probe.calls} calls in {probe.groups_made} gloo groups)")
     lessonlib.report("reduce_ops", table)
     lessonlib.report("calls", calls)
     lessonlib.teardown()

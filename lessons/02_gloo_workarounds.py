@@ -45,6 +45,8 @@ def all_gather_uneven(x, group=None):
     out = [torch.empty_like(padded) for _ in range(n)]
     dist.all_gather(out, padded, group=group)
     return [t[: int(length)] for t, length in zip(out, lengths)]
+
+
 # [end: workarounds]
 
 
@@ -58,6 +60,8 @@ def global_mean(values):
     totals = torch.stack([values.sum(), count])
     dist.all_reduce(totals)  # [sum over all samples, number of samples]
     return (totals[0] / totals[1]).item()
+
+
 # [end: global_mean]
 
 
@@ -80,13 +84,22 @@ def main():
     right, wrong = global_mean(values), mean_of_means(values)
     assert abs(right - sum(every_sample) / len(every_sample)) < 1e-12, f"rank {r}: global mean {right}"
     assert n == 1 or abs(wrong - right) > 1e-6, f"rank {r}: the mean of means matched by chance"
-    row = lessonlib.report("means", {"samples per rank": [k + 1 for k in range(n)],
-                                     "mean over all samples": right, "mean of per-rank means": wrong})
+    row = lessonlib.report(
+        "means",
+        {
+            "samples per rank": [k + 1 for k in range(n)],
+            "mean over all samples": right,
+            "mean of per-rank means": wrong,
+        },
+    )
     if ctx.is_main:
-        print(f"PREMUL_SUM(0.5) by hand: {scaled}; reduce_mean: {mean}; uneven all_gather: "
-              f"{[p.tolist() for p in parts]}")
-        print(f"mean over all samples {row['mean over all samples']:.4f}, "
-              f"mean of per-rank means {row['mean of per-rank means']:.4f}")
+        print(
+            f"PREMUL_SUM(0.5) by hand: {scaled}; reduce_mean: {mean}; uneven all_gather: {[p.tolist() for p in parts]}"
+        )
+        print(
+            f"mean over all samples {row['mean over all samples']:.4f}, "
+            f"mean of per-rank means {row['mean of per-rank means']:.4f}"
+        )
     lessonlib.teardown()
 
 

@@ -42,6 +42,8 @@ def parity_groups(ctx, members_only, timeout, local_sync=False):
     expected = sum(evens if r % 2 == 0 else odds)
     assert x.item() == expected, f"rank {r}: all_reduce in its parity group gave {x.item()}, expected {expected}"
     return even_group, odd_group, mine, x.item()
+
+
 # [end: subgroups]
 
 
@@ -60,8 +62,14 @@ def group_ranks(ctx, even_group, mine):
         except ValueError as e:
             mistake = str(e).split(" <")[0]
         assert mistake, f"rank {r}: broadcast(src=1, group=evens) was accepted"
-    return {"global rank": r, "group rank": in_group, "broadcast(group_src=0) gave": x.item(),
-            "broadcast(src=1, group=evens)": mistake}
+    return {
+        "global rank": r,
+        "group rank": in_group,
+        "broadcast(group_src=0) gave": x.item(),
+        "broadcast(src=1, group=evens)": mistake,
+    }
+
+
 # [end: ranks]
 
 
@@ -91,17 +99,24 @@ def gather_object(data, timeout, dst=0):
     out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None  # dst: a global rank
     dist.gather_object(data, out, dst=dst, group=group)
     return out
+
+
 # [end: cpu_group]
 
 
 def timeouts(ctx, group_timeout):
     """What bound each group really has (read from the backend object: a private attribute)."""
+
     def bound(group):
         return group._get_backend(ctx.device).options._timeout.total_seconds()
+
     default = dist.new_group(timeout=None)  # every rank calls both, in the same order
     bounded = dist.new_group(timeout=group_timeout)
-    seen = {"init_process_group": bound(dist.group.WORLD), "new_group()": bound(default),
-            "new_group(timeout=...)": bound(bounded)}
+    seen = {
+        "init_process_group": bound(dist.group.WORLD),
+        "new_group()": bound(default),
+        "new_group(timeout=...)": bound(bounded),
+    }
     # torch's own defaults, not the init timeout: 30 minutes for gloo, 10 for NCCL
     torch_default = dist.default_pg_nccl_timeout if ctx.backend == "nccl" else dist.default_pg_timeout
     assert seen["init_process_group"] == ctx.timeout.total_seconds(), seen
@@ -114,8 +129,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--members-only", action="store_true", help="only members call new_group (a bug)")
     parser.add_argument("--local-sync", action="store_true", help="with --members-only: use_local_synchronization")
-    parser.add_argument("--group-timeout", type=float, default=None,
-                        help="seconds for new_group's own bound (default: the process-group timeout)")
+    parser.add_argument(
+        "--group-timeout",
+        type=float,
+        default=None,
+        help="seconds for new_group's own bound (default: the process-group timeout)",
+    )
     args = parser.parse_args()
     ctx = lessonlib.setup()
     group_timeout = datetime.timedelta(seconds=args.group_timeout) if args.group_timeout else ctx.timeout
@@ -125,8 +144,10 @@ def main():
     even_group, odd_group, mine, total = parity_groups(ctx, args.members_only, group_timeout, args.local_sync)
     print(f"rank {ctx.rank}: all_reduce in the {'even' if ctx.rank % 2 == 0 else 'odd'} group = {total}")
     row = lessonlib.report("ranks", group_ranks(ctx, even_group, mine))
-    print(f"rank {ctx.rank}: group rank {row['group rank']}; "
-          f"broadcast(group_src=0) gave {row['broadcast(group_src=0) gave']}")
+    print(
+        f"rank {ctx.rank}: group rank {row['group rank']}; "
+        f"broadcast(group_src=0) gave {row['broadcast(group_src=0) gave']}"
+    )
     if row["broadcast(src=1, group=evens)"]:
         print(f"rank {ctx.rank}: broadcast(src=1, group=evens) -> ValueError: {row['broadcast(src=1, group=evens)']}")
     print(f"rank {ctx.rank}: all_reduce in its pair of neighbours = {neighbour_pairs(ctx)}")

@@ -42,6 +42,8 @@ def object_collectives(ctx):
     dist.scatter_object_list(got, work_items if ctx.is_main else None, src=0)
     assert got[0]["shard"] == r and len(got[0]["files"]) == r + 1, f"rank {r}: scatter_object_list gave {got}"
     return {"broadcast_object_list": box[0], "all_gather_object": everyone, "scatter_object_list": got[0]}
+
+
 # [end: object_collectives]
 
 
@@ -72,16 +74,25 @@ def cost(ctx, nbytes, repeats):
         "all_gather_object (list of floats)": median_seconds(lambda: dist.all_gather_object(objs, floats), repeats),
     }
     assert objs[-1] == [float(n - 1)] * (nbytes // 8), f"rank {ctx.rank}: all_gather_object lost data"
-    return {"payload bytes": nbytes, **{k + " (ms)": v * 1e3 for k, v in times.items()},
-            "broadcast: object / tensor": times["broadcast_object_list"] / times["broadcast"],
-            "all_gather: object / tensor": times["all_gather_object (bytes)"] / times["all_gather"]}
+    return {
+        "payload bytes": nbytes,
+        **{k + " (ms)": v * 1e3 for k, v in times.items()},
+        "broadcast: object / tensor": times["broadcast_object_list"] / times["broadcast"],
+        "all_gather: object / tensor": times["all_gather_object (bytes)"] / times["all_gather"],
+    }
+
+
 # [end: cost]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--sizes", type=lessonlib.comma_list(int, low=8), default="64,65536,4194304",
-                        help="payload sizes in bytes, comma-separated, each at least 8")
+    parser.add_argument(
+        "--sizes",
+        type=lessonlib.comma_list(int, low=8),
+        default="64,65536,4194304",
+        help="payload sizes in bytes, comma-separated, each at least 8",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     if args.repeats < 1:
@@ -93,8 +104,10 @@ def main():
     for nbytes in args.sizes:
         row = lessonlib.report("cost", cost(ctx, nbytes, args.repeats))
         if ctx.is_main:
-            print(f"{nbytes:>9} B: broadcast object/tensor {row['broadcast: object / tensor']:.1f}x, "
-                  f"all_gather object/tensor {row['all_gather: object / tensor']:.1f}x")
+            print(
+                f"{nbytes:>9} B: broadcast object/tensor {row['broadcast: object / tensor']:.1f}x, "
+                f"all_gather object/tensor {row['all_gather: object / tensor']:.1f}x"
+            )
     lessonlib.teardown()
 
 

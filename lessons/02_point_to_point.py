@@ -60,6 +60,8 @@ def late_peer(ctx, numel, delay, pair):
         assert sender[case]["returned"] >= receiver[case]["called"], f"{numel} elements: send returned first"
     timed = mine["receiver late" if ctx.rank == 0 else "sender late"]  # this rank's call with the peer late
     return {"numel": numel, "send_s" if ctx.rank == 0 else "recv_s": timed["returned"] - timed["called"]}
+
+
 # [end: blocking]
 
 
@@ -80,8 +82,14 @@ def late_peer_async(ctx, pair):
     assert torch.all(x == 0), f"rank {ctx.rank}: after wait() the data is {x.tolist()}"
     if ctx.rank == 0 and ctx.backend == "gloo":  # no recv was posted yet: the send cannot be done
         assert not done_at_once, "isend completed before the receiver posted its recv"
-    return {"call": "isend" if ctx.rank == 0 else "irecv", "call_s": call_s,
-            "completed right after the call": done_at_once, "wait_s": wait_s}
+    return {
+        "call": "isend" if ctx.rank == 0 else "irecv",
+        "call_s": call_s,
+        "completed right after the call": done_at_once,
+        "wait_s": wait_s,
+    }
+
+
 # [end: nonblocking]
 
 
@@ -111,14 +119,20 @@ def pass_token(ctx, how):
             work.wait()
     assert got.item() == prev, f"rank {r}: got token {got.item()}, expected {prev}"
     return got.item()
+
+
 # [end: ring]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--delay", type=float, default=0.5, help="seconds the peer arrives late")
-    parser.add_argument("--ring", type=lessonlib.comma_list(choices=RING_WAYS), default="isend,batch,even-odd",
-                        help=f"comma-separated ways to pass the token: {', '.join(RING_WAYS)}")
+    parser.add_argument(
+        "--ring",
+        type=lessonlib.comma_list(choices=RING_WAYS),
+        default="isend,batch,even-odd",
+        help=f"comma-separated ways to pass the token: {', '.join(RING_WAYS)}",
+    )
     parser.add_argument("--pg-timeout", type=float, default=None, help="process-group timeout, seconds")
     args = parser.parse_args()
     if args.delay <= 0:
@@ -137,8 +151,10 @@ def main():
             key = "send_s" if ctx.rank == 0 else "recv_s"
             print(f"{numel:>9} elements: {key[:4]} took {row[key]:.3f} s with the peer {args.delay} s late")
         row = lessonlib.report("nonblocking", late_peer_async(ctx, pair))
-        print(f"{row['call']} returned in {row['call_s'] * 1e3:.2f} ms, completed at once: "
-              f"{row['completed right after the call']}, wait() took {row['wait_s']:.3f} s")
+        print(
+            f"{row['call']} returned in {row['call_s'] * 1e3:.2f} ms, completed at once: "
+            f"{row['completed right after the call']}, wait() took {row['wait_s']:.3f} s"
+        )
 
     dist.barrier()  # everyone starts the ring together
     for how in args.ring:

@@ -32,8 +32,8 @@ class Link:
         # An empty chunk is not sent. The chunk I send is the one my right neighbour receives, so
         # each direction is skipped on both of its ends; my own two chunks may differ in size.
         send = dist.isend(outgoing, dst=self.right) if outgoing.numel() else None  # not a blocking
-        if incoming.numel():                                                        # send: on gloo every
-            dist.recv(incoming, src=self.left)                                      # rank would wait
+        if incoming.numel():  # send: on gloo every
+            dist.recv(incoming, src=self.left)  # rank would wait
         if send is not None:
             send.wait()
             self.sent += outgoing.numel()
@@ -58,6 +58,8 @@ def ring_all_reduce(x, snapshots=None):
         if snapshots is not None:
             snapshots.append(x.tolist())
     return link.sent
+
+
 # [end: ring]
 
 
@@ -110,8 +112,12 @@ def check_lengths(ctx, lengths):
         for name, fn in [("ring", ring_all_reduce), ("whole-tensor ring", whole_tensor_ring), ("star", star)]:
             got = x.clone()
             row[f"{name} sent"] = fn(got)
-            assert torch.equal(got, want), f"rank {r}: {name} all-reduce differs from dist.all_reduce at length {length}"
-        assert row["ring sent"] == expected_sent(length, n, r), f"rank {r}: ring sent {row['ring sent']} at length {length}"
+            assert torch.equal(got, want), (
+                f"rank {r}: {name} all-reduce differs from dist.all_reduce at length {length}"
+            )
+        assert row["ring sent"] == expected_sent(length, n, r), (
+            f"rank {r}: ring sent {row['ring sent']} at length {length}"
+        )
         assert row["whole-tensor ring sent"] == (n - 1) * length
         rows.append(row)
     return rows
@@ -140,8 +146,12 @@ def timing(ctx, numel, repeats):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--lengths", type=lessonlib.comma_list(int, low=1), default="1,2,3,4,5,7,10,1000,1001",
-                        help="tensor lengths to check, comma-separated")
+    parser.add_argument(
+        "--lengths",
+        type=lessonlib.comma_list(int, low=1),
+        default="1,2,3,4,5,7,10,1000,1001",
+        help="tensor lengths to check, comma-separated",
+    )
     parser.add_argument("--numel", type=int, default=1_000_000, help="float32 elements for the timing")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -153,10 +163,12 @@ def main():
     n, r = ctx.world_size, ctx.rank
     rows = lessonlib.report("sent", check_lengths(ctx, lengths))
     print(f"rank {r}: ring, whole-tensor ring and star all equal dist.all_reduce for lengths {lengths}")
-    print(f"rank {r}: elements sent for length {rows[-1]['length']}: " +
-          ", ".join(f"{k[:-5]} {v}" for k, v in rows[-1].items() if k != "length"))
+    print(
+        f"rank {r}: elements sent for length {rows[-1]['length']}: "
+        + ", ".join(f"{k[:-5]} {v}" for k, v in rows[-1].items() if k != "length")
+    )
 
-    x = torch.full((n,), 10 ** r, dtype=torch.int64, device=ctx.device)  # the digits of the sum say which ranks are in it
+    x = torch.full((n,), 10**r, dtype=torch.int64, device=ctx.device)  # the digits of the sum say which ranks are in it
     snapshots = [x.tolist()]
     ring_all_reduce(x, snapshots)
     assert x.tolist() == [int("1" * n)] * n, f"rank {r}: {x.tolist()}"
@@ -164,8 +176,10 @@ def main():
 
     row = lessonlib.report("timing", timing(ctx, args.numel, args.repeats))
     if ctx.is_main:
-        print(f"{args.numel} floats: ring {row['ring_all_reduce (ms)']:.1f} ms, dist.all_reduce "
-              f"{row['dist.all_reduce (ms)']:.1f} ms, max float difference {row['max |ring - all_reduce|']:.2e}")
+        print(
+            f"{args.numel} floats: ring {row['ring_all_reduce (ms)']:.1f} ms, dist.all_reduce "
+            f"{row['dist.all_reduce (ms)']:.1f} ms, max float difference {row['max |ring - all_reduce|']:.2e}"
+        )
     lessonlib.teardown()
 
 

@@ -27,17 +27,19 @@ def loaders(n, batch_size, ctx, seed):
     """The three ways to build the training DataLoader on each rank."""
     data = range(n)
     # [start: loaders]
-    with_sampler = DataLoader(data, batch_size=batch_size,
-                              sampler=DistributedSampler(data, shuffle=True, seed=seed))
+    with_sampler = DataLoader(data, batch_size=batch_size, sampler=DistributedSampler(data, shuffle=True, seed=seed))
     # No sampler, shuffle seeded alike on every rank (torch.manual_seed(seed) everywhere):
-    same_seed = DataLoader(data, batch_size=batch_size, shuffle=True,
-                           generator=torch.Generator().manual_seed(seed))
+    same_seed = DataLoader(data, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))
     # No sampler, shuffle seeded per rank:
-    rank_seed = DataLoader(data, batch_size=batch_size, shuffle=True,
-                           generator=torch.Generator().manual_seed(seed + ctx.rank))
+    rank_seed = DataLoader(
+        data, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed + ctx.rank)
+    )
     # [end: loaders]
-    return {"DistributedSampler": with_sampler, "no sampler, same seed": same_seed,
-            "no sampler, seed + rank": rank_seed}
+    return {
+        "DistributedSampler": with_sampler,
+        "no sampler, same seed": same_seed,
+        "no sampler, seed + rank": rank_seed,
+    }
 
 
 def measure(loader, ctx):
@@ -89,9 +91,11 @@ def main():
         assert not apart["identical on every rank"], "seeded apart, the ranks' orders should differ"
     if ctx.is_main:
         for name, r in results.items():
-            print(f"{name:>24}: {r['steps per epoch']} steps of {w} x {r['per-rank batch']}; "
-                  f"{r['sample visits per epoch']} visits, {r['distinct samples per epoch']} distinct samples, "
-                  f"{r['distinct fraction of a global batch']:.0%} of a global batch distinct")
+            print(
+                f"{name:>24}: {r['steps per epoch']} steps of {w} x {r['per-rank batch']}; "
+                f"{r['sample visits per epoch']} visits, {r['distinct samples per epoch']} distinct samples, "
+                f"{r['distinct fraction of a global batch']:.0%} of a global batch distinct"
+            )
     lessonlib.teardown()
 
 

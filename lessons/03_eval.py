@@ -57,6 +57,8 @@ def evaluate(loader, log_every_batch=False):
             dist.all_reduce(this_batch)  # e.g. for a progress line: this batch's accuracy, all ranks
     dist.all_reduce(totals)
     return totals[0].item() / totals[1].item(), totals.tolist()
+
+
 # [end: shards]
 
 
@@ -72,13 +74,21 @@ def evaluate_logging_every_batch(loader):
         running = totals.clone()
         dist.all_reduce(running)  # every rank calls this `steps` times
     return running[0].item() / running[1].item(), running.tolist()
+
+
 # [end: agreed]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--size", type=int, default=13, choices=range(1, 10001), metavar="1..10000",
-                        help="samples (default 13: divisible by none of 2, 3, 4)")
+    parser.add_argument(
+        "--size",
+        type=int,
+        default=13,
+        choices=range(1, 10001),
+        metavar="1..10000",
+        help="samples (default 13: divisible by none of 2, 3, 4)",
+    )
     parser.add_argument("--batch-size", type=int, default=2, choices=range(1, 1001), metavar="1..1000")
     parser.add_argument("--log-every-batch", action="store_true", help="the pitfall: a collective per batch")
     parser.add_argument("--pg-timeout", type=float, default=None, help="process-group timeout in seconds")
@@ -108,13 +118,25 @@ def main():
     assert padded_totals == [is_correct(padded_list).sum().item(), total], padded_totals
     assert exact_totals == agreed_totals == [round(truth * n), n], (exact_totals, agreed_totals)
     assert exact == agreed == truth, f"rank {ctx.rank}: {exact}, {agreed} != {truth}"
-    lessonlib.report("eval", {"truth": truth, "padded": padded, "padded_counts": padded_totals,
-                              "shards": exact, "agreed": agreed, "shard_length": len(shards.sampler),
-                              "batches": len(shards), "padding": total - n})
+    lessonlib.report(
+        "eval",
+        {
+            "truth": truth,
+            "padded": padded,
+            "padded_counts": padded_totals,
+            "shards": exact,
+            "agreed": agreed,
+            "shard_length": len(shards.sampler),
+            "batches": len(shards),
+            "padding": total - n,
+        },
+    )
     print(f"rank {ctx.rank}: {len(shards.sampler)} samples in {len(shards)} batch(es)")
     if ctx.is_main:
-        print(f"accuracy over {n} samples: one process {truth:.4f} | DistributedSampler {padded:.4f} "
-              f"({total - n} padding duplicate(s)) | unpadded shards {exact:.4f} | agreed steps {agreed:.4f}")
+        print(
+            f"accuracy over {n} samples: one process {truth:.4f} | DistributedSampler {padded:.4f} "
+            f"({total - n} padding duplicate(s)) | unpadded shards {exact:.4f} | agreed steps {agreed:.4f}"
+        )
     lessonlib.teardown()
 
 

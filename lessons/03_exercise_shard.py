@@ -39,8 +39,9 @@ def cases(world_size):
 def verdict(fn, ctx):
     """None if fn matches DistributedSampler on every case for this rank, else the first difference."""
     for n, seed, epoch, shuffle, drop_last in cases(ctx.world_size):
-        args = dict(n=n, rank=ctx.rank, world_size=ctx.world_size, seed=seed, epoch=epoch,
-                    shuffle=shuffle, drop_last=drop_last)
+        args = dict(
+            n=n, rank=ctx.rank, world_size=ctx.world_size, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last
+        )
         want = sampler_shard(**args)
         try:
             got = fn(**args)
@@ -64,23 +65,28 @@ def shard(n, rank, world_size, seed, epoch, shuffle, drop_last):
     total = per_rank * world_size
     order = (order * math.ceil(total / n))[:total]  # pad by wrapping around, or cut the tail
     return order[rank::world_size]  # a stride, not a block
+
+
 # [end: solution]
 
 
 def blocks(n, rank, world_size, seed, epoch, shuffle, drop_last):
     """Wrong: contiguous blocks of the (padded) order instead of every W-th index."""
     import math  # self-contained: the notebook sends this function alone to the checker
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist() if shuffle \
-        else list(range(n))
+
+    order = (
+        torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist() if shuffle else list(range(n))
+    )
     per_rank = n // world_size if drop_last else math.ceil(n / world_size)
     order = (order * world_size)[: per_rank * world_size]
-    return order[rank * per_rank:(rank + 1) * per_rank]
+    return order[rank * per_rank : (rank + 1) * per_rank]
 
 
 def no_padding(n, rank, world_size, seed, epoch, shuffle, drop_last):
     """Wrong: the right stride, but no padding (or dropping), so shard lengths differ."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist() if shuffle \
-        else list(range(n))
+    order = (
+        torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist() if shuffle else list(range(n))
+    )
     return order[rank::world_size]
 
 

@@ -35,6 +35,8 @@ class DataPartitioner:
             part_len = int(frac * n)  # rounds down: the remainder is never handed out
             self.partitions.append(indices[:part_len])
             indices = indices[part_len:]
+
+
 # [end: note]
 
 
@@ -44,7 +46,9 @@ def partition(n, rank, world_size, seed, epoch):
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
     per_rank = math.ceil(n / world_size)
     order = (order * math.ceil(per_rank * world_size / n))[: per_rank * world_size]  # wrap to pad
-    return order[rank * per_rank:(rank + 1) * per_rank]  # a contiguous block
+    return order[rank * per_rank : (rank + 1) * per_rank]  # a contiguous block
+
+
 # [end: fixed]
 
 
@@ -92,12 +96,20 @@ def main():
         error = str(e)
     # [end: float_batch]
     assert "batch_size should be a positive integer" in error, error
-    lessonlib.report("partitioner", {"unused": unused, "note_block": note_sets[0][ctx.rank],
-                                     "sampler_sets": [s[ctx.rank] for s in sampler_sets],
-                                     "float_batch_error": error})
+    lessonlib.report(
+        "partitioner",
+        {
+            "unused": unused,
+            "note_block": note_sets[0][ctx.rank],
+            "sampler_sets": [s[ctx.rank] for s in sampler_sets],
+            "float_batch_error": error,
+        },
+    )
     if ctx.is_main:
-        print(f"tutorial's partitioner: {len(unused)} sample(s) never used {unused}; every epoch rank 0 sees "
-              f"{note_sets[0][0]}")
+        print(
+            f"tutorial's partitioner: {len(unused)} sample(s) never used {unused}; every epoch rank 0 sees "
+            f"{note_sets[0][0]}"
+        )
         print(f"DistributedSampler + set_epoch, rank 0, epoch by epoch: {[s[0][:6] for s in sampler_sets]}...")
         print(f"batch_size={bsz}: {error}")
     lessonlib.teardown()

@@ -29,10 +29,13 @@ import lessonlib
 # [start: shard]
 def my_shard(n, ctx, seed, epoch, shuffle=True, drop_last=False):
     """This rank's indices for one epoch, straight from DistributedSampler."""
-    sampler = DistributedSampler(range(n), num_replicas=ctx.world_size, rank=ctx.rank,
-                                 shuffle=shuffle, seed=seed, drop_last=drop_last)
+    sampler = DistributedSampler(
+        range(n), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+    )
     sampler.set_epoch(epoch)  # forgetting this repeats epoch 0's order: lessons/03_set_epoch.py
     return list(sampler)
+
+
 # [end: shard]
 
 
@@ -66,14 +69,22 @@ def check(shards, n, seed, epoch, shuffle, drop_last):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--size", type=int, default=13, help="samples in the dataset (default 13: "
-                        "divisible by none of 2, 3, 4)")
+    parser.add_argument(
+        "--size", type=int, default=13, help="samples in the dataset (default 13: divisible by none of 2, 3, 4)"
+    )
     parser.add_argument("--epochs", type=int, default=2, choices=range(1, 11), metavar="1..10")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-shuffle", action="store_true", help="run only shuffle=False, every epoch (without "
-                        "either flag, the tour: shuffle=False, the shuffled epochs, drop_last=True)")
-    parser.add_argument("--drop-last", action="store_true",
-                        help="run only drop_last=True, every epoch (with --no-shuffle: unshuffled and cut)")
+    parser.add_argument(
+        "--no-shuffle",
+        action="store_true",
+        help="run only shuffle=False, every epoch (without "
+        "either flag, the tour: shuffle=False, the shuffled epochs, drop_last=True)",
+    )
+    parser.add_argument(
+        "--drop-last",
+        action="store_true",
+        help="run only drop_last=True, every epoch (with --no-shuffle: unshuffled and cut)",
+    )
     args = parser.parse_args()
     if args.size < 1:
         parser.error(f"--size must be at least 1, got {args.size}")
@@ -81,8 +92,9 @@ def main():
     w = ctx.world_size
 
     restricted = args.no_shuffle or args.drop_last
-    setting = ", ".join(name for name, on in [("shuffle=False", args.no_shuffle), ("drop_last=True", args.drop_last)]
-                        if on)
+    setting = ", ".join(
+        name for name, on in [("shuffle=False", args.no_shuffle), ("drop_last=True", args.drop_last)] if on
+    )
     if restricted:  # one setting, every epoch: what changes from one epoch to the next?
         cases = [(f"{setting}, epoch {e}", not args.no_shuffle, args.drop_last, e) for e in range(args.epochs)]
     else:  # the tour: unshuffled, then shuffled epochs, then drop_last
@@ -100,8 +112,15 @@ def main():
         joins.append(joined)
         # A position in the padded list at or beyond n holds a padding duplicate.
         is_padding = [j * w + ctx.rank >= args.size for j in range(len(mine))]
-        lessonlib.report("shard", {"case": name, "indices": mine, "padding": is_padding,
-                                   "dropped": sorted(set(range(args.size)) - set(joined)) if drop_last else []})
+        lessonlib.report(
+            "shard",
+            {
+                "case": name,
+                "indices": mine,
+                "padding": is_padding,
+                "dropped": sorted(set(range(args.size)) - set(joined)) if drop_last else [],
+            },
+        )
         print(f"rank {ctx.rank} {name:>14}: {mine}" + (f"  ({sum(is_padding)} padding)" if any(is_padding) else ""))
 
     # A new epoch must bring a new order (set_epoch at work); with 8+ samples a repeat means a bug.
@@ -124,12 +143,16 @@ def main():
     if ctx.is_main and restricted:
         per_rank = args.size // w if args.drop_last else math.ceil(args.size / w)
         pad, cut = (0, args.size - per_rank * w) if args.drop_last else (per_rank * w - args.size, 0)
-        print(f"n={args.size}, W={w}, {setting}: {per_rank} indices per rank, {pad} padding duplicate(s), "
-              f"{cut} sample(s) skipped per epoch; never seen in {args.epochs} epoch(s): {never_seen}")
+        print(
+            f"n={args.size}, W={w}, {setting}: {per_rank} indices per rank, {pad} padding duplicate(s), "
+            f"{cut} sample(s) skipped per epoch; never seen in {args.epochs} epoch(s): {never_seen}"
+        )
     elif ctx.is_main:
         pad = math.ceil(args.size / w) * w - args.size
-        print(f"n={args.size}, W={w}: {math.ceil(args.size / w)} indices per rank, {pad} padding "
-              f"duplicate(s) per epoch; recipe and coverage checked for n in 1, 2, W, W+1, 2W+1 too")
+        print(
+            f"n={args.size}, W={w}: {math.ceil(args.size / w)} indices per rank, {pad} padding "
+            f"duplicate(s) per epoch; recipe and coverage checked for n in 1, 2, W, W+1, 2W+1 too"
+        )
     lessonlib.teardown()
 
 

@@ -23,8 +23,10 @@ def check_set_epoch(loader, epoch):
     """Raise if the loader's DistributedSampler was not moved to `epoch` (call before iterating)."""
     sampler = loader.sampler
     if isinstance(sampler, DistributedSampler) and sampler.shuffle and sampler.epoch != epoch:
-        raise RuntimeError(f"epoch {epoch}: the DistributedSampler is still at epoch {sampler.epoch}; "
-                           f"call loader.sampler.set_epoch({epoch}) before iterating")
+        raise RuntimeError(
+            f"epoch {epoch}: the DistributedSampler is still at epoch {sampler.epoch}; "
+            f"call loader.sampler.set_epoch({epoch}) before iterating"
+        )
 
 
 class RepeatWatch:
@@ -36,8 +38,12 @@ class RepeatWatch:
     def __call__(self, epoch, order):
         earlier = self.seen.setdefault(tuple(order), epoch)
         if earlier != epoch:
-            raise RuntimeError(f"epoch {epoch} repeats the sample order of epoch {earlier}: "
-                               f"is sampler.set_epoch(epoch) called at the start of every epoch?")
+            raise RuntimeError(
+                f"epoch {epoch} repeats the sample order of epoch {earlier}: "
+                f"is sampler.set_epoch(epoch) called at the start of every epoch?"
+            )
+
+
 # [end: guards]
 
 
@@ -79,8 +85,9 @@ def main():
     loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=True, seed=0))
     right = train_orders(loader, args.epochs, call_set_epoch=True, guards=["sampler", "order"])
     lessonlib.report("orders", {"forgot": forgot, "set_epoch": right, "caught": caught})
-    print(f"rank {ctx.rank}: without set_epoch every epoch is {forgot[0][:6]}...; "
-          f"with it epoch 1 starts {right[1][:6]}")
+    print(
+        f"rank {ctx.rank}: without set_epoch every epoch is {forgot[0][:6]}...; with it epoch 1 starts {right[1][:6]}"
+    )
 
     # [start: shuffle_twice]
     try:
@@ -105,8 +112,10 @@ def main():
     pad = len(seen) - args.size
     lessonlib.report("main_only", {"doubled": doubled, "missing": missing, "padding": pad})
     if ctx.is_main:
-        print(f"set_epoch on rank 0 only: {len(missing)} sample(s) never seen this epoch {missing}, "
-              f"{len(doubled)} seen more than once (padding alone would explain {pad})")
+        print(
+            f"set_epoch on rank 0 only: {len(missing)} sample(s) never seen this epoch {missing}, "
+            f"{len(doubled)} seen more than once (padding alone would explain {pad})"
+        )
     # Every sample missing from the epoch is matched by one seen twice: the ranks cut two different
     # shuffles, so the pieces no longer fit together.
     assert len(seen) - len(set(seen)) == len(missing) + pad, "the counts of missing and doubled do not add up"

@@ -29,8 +29,12 @@ from torchvision.transforms import v2
 import lessonlib
 
 CASES = {  # name: (seed torch with seed + rank?, num_workers, loader generator seeded seed + rank?)
-    "a": (False, 0, False), "b": (False, 2, False), "c": (False, 2, True),
-    "d": (False, 0, True), "e": (True, 0, False)}
+    "a": (False, 0, False),
+    "b": (False, 2, False),
+    "c": (False, 2, True),
+    "d": (False, 0, True),
+    "e": (True, 0, False),
+}
 SAME = {"a", "b", "d"}
 
 
@@ -60,8 +64,9 @@ def crops(case, seed, ctx, n_images, batch_size):
     generator = torch.Generator().manual_seed(seed + ctx.rank) if per_rank_generator else None
     dataset = Images(n_images)
     sampler = DistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False)
-    loader = DataLoader(dataset, batch_size, sampler=sampler, num_workers=workers, generator=generator,
-                        timeout=20 if workers else 0)  # a stuck worker: an error, not a hang (0 without workers)
+    loader = DataLoader(
+        dataset, batch_size, sampler=sampler, num_workers=workers, generator=generator, timeout=20 if workers else 0
+    )  # a stuck worker: an error, not a hang (0 without workers)
     # [end: seeding]
     return torch.cat([grid for _, grid in loader])
 
@@ -74,8 +79,9 @@ def box(grid):
 
 def describe(case):
     per_rank_seed, workers, per_rank_generator = CASES[case]
-    return (f"manual_seed({'seed + rank' if per_rank_seed else 'seed'}), num_workers={workers}"
-            + (", generator(seed + rank)" if per_rank_generator else ""))
+    return f"manual_seed({'seed + rank' if per_rank_seed else 'seed'}), num_workers={workers}" + (
+        ", generator(seed + rank)" if per_rank_generator else ""
+    )
 
 
 def main():
@@ -98,8 +104,16 @@ def main():
             assert fraction == 1.0, f"rank {r}: case {case}: only {fraction:.0%} of crops identical across ranks"
         elif n > 1:
             assert fraction < 0.2, f"rank {r}: case {case}: {fraction:.0%} of crops identical across ranks"
-        lessonlib.report("crops", {"case": case, "setup": describe(case), "identical fraction": fraction,
-                                   "samples": len(mine), "boxes": [box(g) for g in mine[:4]]})
+        lessonlib.report(
+            "crops",
+            {
+                "case": case,
+                "setup": describe(case),
+                "identical fraction": fraction,
+                "samples": len(mine),
+                "boxes": [box(g) for g in mine[:4]],
+            },
+        )
         if ctx.is_main:
             shown = "n/a (one rank)" if fraction is None else f"{fraction:4.0%}"
             print(f"{case}  {describe(case):45} crops identical across ranks: {shown}")

@@ -43,17 +43,23 @@ class Draws(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         info = get_worker_info()
-        return {"index": i, "worker": -1 if info is None else info.id, "torch": torch.randint(2**62, ()).item(),
-                "random": random.getrandbits(62), "numpy": int(np.random.randint(2**62, dtype=np.int64)),
-                "held": int(self.rng.integers(2**62))}
+        return {
+            "index": i,
+            "worker": -1 if info is None else info.id,
+            "torch": torch.randint(2**62, ()).item(),
+            "random": random.getrandbits(62),
+            "numpy": int(np.random.randint(2**62, dtype=np.int64)),
+            "held": int(self.rng.integers(2**62)),
+        }
 
 
 def epochs(fn, ctx, which):
     """Build a loader with fn; per epoch in `which`, its samples as dicts, in delivery order."""
     loader = fn(Draws(SAMPLES), BATCH, SEED, ctx.rank, ctx.world_size)
     if not hasattr(loader.sampler, "set_epoch"):
-        raise TypeError(f"loader.sampler is a {type(loader.sampler).__name__}, without set_epoch: "
-                        "use a DistributedSampler")
+        raise TypeError(
+            f"loader.sampler is a {type(loader.sampler).__name__}, without set_epoch: use a DistributedSampler"
+        )
     out = []
     for e in which:
         loader.sampler.set_epoch(e)
@@ -125,8 +131,16 @@ def make_loader(dataset, batch_size, seed, rank, world_size):
         info.dataset.rng = np.random.default_rng(info.seed)
 
     sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed)
-    return DataLoader(dataset, batch_size, sampler=sampler, num_workers=2, worker_init_fn=reseed_held,
-                      generator=torch.Generator().manual_seed(seed + rank))  # per rank, and reproducible
+    return DataLoader(
+        dataset,
+        batch_size,
+        sampler=sampler,
+        num_workers=2,
+        worker_init_fn=reseed_held,
+        generator=torch.Generator().manual_seed(seed + rank),
+    )  # per rank, and reproducible
+
+
 # [end: solution]
 
 
@@ -139,8 +153,14 @@ def shared_seeds_make_loader(dataset, batch_size, seed, rank, world_size):
 
 
 def main():
-    run_checker(__doc__, verdict, make_loader, wrong=[shared_seeds_make_loader], timeout=30,
-                passed="delivers every sample, every draw unique, reproducible")
+    run_checker(
+        __doc__,
+        verdict,
+        make_loader,
+        wrong=[shared_seeds_make_loader],
+        timeout=30,
+        passed="delivers every sample, every draw unique, reproducible",
+    )
 
 
 if __name__ == "__main__":

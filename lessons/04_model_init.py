@@ -66,6 +66,8 @@ def train(model, steps, rank, by_hand):
                 dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size()
         opt.step()
+
+
 # [end: average_by_hand]
 
 
@@ -96,8 +98,15 @@ def main():
         elif n > 1:  # with one rank there is nothing to differ from
             distinct = len({c.numpy().tobytes() for c in copies}) == n
             assert distinct, f"rank {r}: {mode}: some ranks built the same model"
-        lessonlib.report("init", {"mode": mode, "fingerprint": fingerprint(copies[r]),
-                                  "same as rank 0": same_as_0, "initial seed": torch.initial_seed()})
+        lessonlib.report(
+            "init",
+            {
+                "mode": mode,
+                "fingerprint": fingerprint(copies[r]),
+                "same as rank 0": same_as_0,
+                "initial seed": torch.initial_seed(),
+            },
+        )
         if ctx.is_main:
             print(f"{mode:16} fingerprints by rank: {' '.join(fingerprint(c) for c in copies)}")
 
@@ -114,14 +123,22 @@ def main():
             # Every rank took the same averaged step, so the gap is what it was at the start.
             assert torch.allclose(gap, start_gap, atol=1e-5), f"rank {r}: the gap to rank 0 changed"
             assert n == 1 or len({c.numpy().tobytes() for c in copies}) == n, f"rank {r}: weights became equal"
-        row = lessonlib.report("after_training", {
-            "how": how, "steps": args.steps, "fingerprint": fingerprint(copies[r]),
-            "max gap to rank 0 at start": start_gap.abs().max().item(),
-            "max gap to rank 0 after": gap.abs().max().item()})
+        row = lessonlib.report(
+            "after_training",
+            {
+                "how": how,
+                "steps": args.steps,
+                "fingerprint": fingerprint(copies[r]),
+                "max gap to rank 0 at start": start_gap.abs().max().item(),
+                "max gap to rank 0 after": gap.abs().max().item(),
+            },
+        )
         if r == n - 1:  # rank 0's gap to itself is zero: let the last rank tell
-            print(f"rank {r}: {how}, {args.steps} SGD steps: fingerprints {' '.join(fingerprint(c) for c in copies)}"
-                  f"; max gap to rank 0 {row['max gap to rank 0 at start']:.4f} -> "
-                  f"{row['max gap to rank 0 after']:.4f}")
+            print(
+                f"rank {r}: {how}, {args.steps} SGD steps: fingerprints {' '.join(fingerprint(c) for c in copies)}"
+                f"; max gap to rank 0 {row['max gap to rank 0 at start']:.4f} -> "
+                f"{row['max gap to rank 0 after']:.4f}"
+            )
     lessonlib.teardown()
 
 

@@ -36,11 +36,21 @@ def loaders(data, seed, ctx, own_generators):
     def generator():  # the fix: DataLoaders stop drawing from the global RNG
         return torch.Generator().manual_seed(seed) if own_generators else None
 
-    train = DataLoader(data, batch_size=4, generator=generator(),
-                       sampler=DistributedSampler(data, ctx.world_size, ctx.rank, shuffle=True, seed=seed))
-    evaluate = DataLoader(data, batch_size=16, generator=generator(),
-                          sampler=DistributedSampler(data, ctx.world_size, ctx.rank, shuffle=False))
+    train = DataLoader(
+        data,
+        batch_size=4,
+        generator=generator(),
+        sampler=DistributedSampler(data, ctx.world_size, ctx.rank, shuffle=True, seed=seed),
+    )
+    evaluate = DataLoader(
+        data,
+        batch_size=16,
+        generator=generator(),
+        sampler=DistributedSampler(data, ctx.world_size, ctx.rank, shuffle=False),
+    )
     return train, evaluate
+
+
 # [end: loaders]
 
 
@@ -54,8 +64,9 @@ def run(seed, epochs, ctx, eval_between=False, own_generators=False):
     """Train from scratch; the per-step loss curve (all-reduced) and the final parameters."""
     torch.manual_seed(seed + ctx.rank)  # per rank: different noise and dropout masks on every rank
     data = make_data()
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                                    torch.nn.Linear(32, 1)))  # DDP: rank 0's initial weights everywhere
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1))
+    )  # DDP: rank 0's initial weights everywhere
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
     train, evaluate = loaders(data, seed, ctx, own_generators)
     curve = []
@@ -73,7 +84,7 @@ def run(seed, epochs, ctx, eval_between=False, own_generators=False):
         if eval_between and epoch < epochs - 1:
             model.eval()
             with torch.no_grad():  # no randomness here, yet iter(evaluate) draws from the global RNG
-                for x, y in evaluate:
+                for x, _ in evaluate:
                     model(x)
         # [end: eval_pass]
     return curve, torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -87,6 +98,8 @@ def nondeterministic_op_error():
     except RuntimeError as e:
         return str(e).splitlines()[0]
     return None
+
+
 # [end: deterministic]
 
 
@@ -118,8 +131,14 @@ def main():
     assert strict == fixed and torch.equal(w5, w3), f"rank {r}: deterministic mode changed the run"
     assert error is not None and "deterministic" in error, f"rank {r}: put_ did not raise: {error}"
 
-    curves = {"first": first, "second": second, "eval pass": broken, "own generators": fixed,
-              "own generators + eval pass": fixed_eval, "deterministic algorithms": strict}
+    curves = {
+        "first": first,
+        "second": second,
+        "eval pass": broken,
+        "own generators": fixed,
+        "own generators + eval pass": fixed_eval,
+        "deterministic algorithms": strict,
+    }
     for name, curve in curves.items():
         lessonlib.report("curve", {"run": name, "seed": args.seed, "epochs": E, "losses": curve})
     lessonlib.report("deterministic_error", error)

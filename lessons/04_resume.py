@@ -40,8 +40,9 @@ def build(seed, ctx):
     g = torch.Generator().manual_seed(1234)  # the data set, fixed like a file on disk
     x = torch.randn(32, 8, generator=g)
     data = TensorDataset(x, x[:, :1] - x[:, 1:2])
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                                    torch.nn.Linear(32, 1)))
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1))
+    )
     sampler = DistributedSampler(data, ctx.world_size, ctx.rank, shuffle=True, seed=seed)
     # The generator seeds workers, if any; without them iter() still draws from it, not from the global RNG.
     loader = DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator().manual_seed(seed + ctx.rank))
@@ -67,12 +68,19 @@ def train(run, start, stop, curve, draws):
 # [start: checkpoint]
 def save(run, epoch):
     name, key, pos, has_gauss, cached = np.random.get_state()
-    state = {"model": run["model"].module.state_dict(), "opt": run["opt"].state_dict(), "epoch": epoch,
-             "sampler_seed": run["loader"].sampler.seed,
-             "rng": {"torch": torch.get_rng_state(), "random": random.getstate(),
-                     # numpy's key as a tensor: torch.load(weights_only=True) refuses ndarrays
-                     "numpy": (name, torch.from_numpy(key), pos, has_gauss, cached),
-                     "loader": run["loader"].generator.get_state()}}
+    state = {
+        "model": run["model"].module.state_dict(),
+        "opt": run["opt"].state_dict(),
+        "epoch": epoch,
+        "sampler_seed": run["loader"].sampler.seed,
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "random": random.getstate(),
+            # numpy's key as a tensor: torch.load(weights_only=True) refuses ndarrays
+            "numpy": (name, torch.from_numpy(key), pos, has_gauss, cached),
+            "loader": run["loader"].generator.get_state(),
+        },
+    }
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
@@ -90,6 +98,8 @@ def load(run, blob, rng=True):
         np.random.set_state((name, key.numpy(), pos, has_gauss, cached))
         run["loader"].generator.set_state(state["rng"]["loader"])
     return state["epoch"]
+
+
 # [end: checkpoint]
 
 
@@ -100,6 +110,8 @@ def warm_up(model):
     model(torch.zeros(1, model.module[0].in_features)).sum().backward()  # all-reduces, on every rank
     model.train()
     model.zero_grad(set_to_none=True)
+
+
 # [end: warm_up]
 
 
@@ -147,11 +159,15 @@ def main():
         train(run, start, E, curve, draws)
         same = torch.tensor([int(draws == straight_draws)])  # noise hashes, step by step, on every rank
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
-        rows[how] = {"resumed at step": at, "losses": curve, "same curve": curve == straight,
-                     "same draws": bool(same.item()),
-                     "max weight difference": (weights(run) - straight_weights).abs().max().item(),
-                     "identical draws across ranks before": same_across_ranks(draws[:at]),
-                     "identical draws across ranks after": same_across_ranks(draws[at:])}
+        rows[how] = {
+            "resumed at step": at,
+            "losses": curve,
+            "same curve": curve == straight,
+            "same draws": bool(same.item()),
+            "max weight difference": (weights(run) - straight_weights).abs().max().item(),
+            "identical draws across ranks before": same_across_ranks(draws[:at]),
+            "identical draws across ranks after": same_across_ranks(draws[at:]),
+        }
 
     good, no_rng, rank0 = rows.values()
     assert good["same draws"], f"rank {r}: after resume some rank drew other noise than the straight run"
@@ -162,8 +178,9 @@ def main():
     if n > 1:  # with one rank, rank 0's states are this rank's own: nothing to get wrong
         assert good["identical draws across ranks after"] == 0.0, f"rank {r}: ranks drew the same noise"
         assert rank0["identical draws across ranks before"] == 0.0, f"rank {r}: ranks drew the same noise"
-        assert rank0["identical draws across ranks after"] == 1.0, \
+        assert rank0["identical draws across ranks after"] == 1.0, (
             f"rank {r}: after loading rank 0's RNG states, {rank0['identical draws across ranks after']:.0%} same"
+        )
     lessonlib.report("straight", {"losses": straight, "epochs": E})
     for how, row in rows.items():
         lessonlib.report("resumed", {"how": how, "stop after epoch": k, **row})
@@ -171,8 +188,10 @@ def main():
         print(f"straight run: {E} epochs, {len(straight)} steps, final loss {straight[-1]:.6f}")
         for how, row in rows.items():
             same = "n/a" if n == 1 else f"{row['identical draws across ranks after']:.0%}"
-            print(f"resumed with {how:20}: same draws {str(row['same draws']):5} same curve {str(row['same curve']):5} "
-                  f"max weight diff {row['max weight difference']:.1e}; identical draws across ranks after {same}")
+            print(
+                f"resumed with {how:20}: same draws {str(row['same draws']):5} same curve {str(row['same curve']):5} "
+                f"max weight diff {row['max weight difference']:.1e}; identical draws across ranks after {same}"
+            )
     lessonlib.teardown()
 
 

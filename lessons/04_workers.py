@@ -41,9 +41,16 @@ class Draws(torch.utils.data.Dataset):
         return self.n
 
     def __getitem__(self, i):
-        return {"index": i, "worker": get_worker_info().id, "torch": torch.randint(TOP, ()).item(),
-                "random": random.getrandbits(62), "numpy": int(np.random.randint(TOP, dtype=np.int64)),
-                "held": int(self.rng.integers(TOP))}
+        return {
+            "index": i,
+            "worker": get_worker_info().id,
+            "torch": torch.randint(TOP, ()).item(),
+            "random": random.getrandbits(62),
+            "numpy": int(np.random.randint(TOP, dtype=np.int64)),
+            "held": int(self.rng.integers(TOP)),
+        }
+
+
 # [end: dataset]
 
 
@@ -51,6 +58,8 @@ class Draws(torch.utils.data.Dataset):
 def reseed_held(worker_id):
     info = get_worker_info()  # info.dataset is this worker's own copy; info.seed = base_seed + worker_id
     info.dataset.rng = np.random.default_rng(info.seed)
+
+
 # [end: worker_init_fn]
 
 
@@ -60,9 +69,16 @@ def draws(setup, seed, ctx, per_rank, batch_size):
     sampler = DistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False)
     # [start: loader]
     generator = torch.Generator().manual_seed(seed + ctx.rank) if setup in "bc" else None
-    loader = DataLoader(dataset, batch_size, sampler=sampler, num_workers=2, generator=generator,
-                        worker_init_fn=reseed_held if setup == "c" else None,
-                        collate_fn=lambda batch: batch, timeout=20)  # a stuck worker: an error, not a hang
+    loader = DataLoader(
+        dataset,
+        batch_size,
+        sampler=sampler,
+        num_workers=2,
+        generator=generator,
+        worker_init_fn=reseed_held if setup == "c" else None,
+        collate_fn=lambda batch: batch,
+        timeout=20,
+    )  # a stuck worker: an error, not a hang
     # [end: loader]
     return [sample for batch in loader for sample in batch]
 
@@ -100,8 +116,16 @@ def main():
             else:  # a (all sources) and b (held): repeats where the seeds were copied
                 assert within == (1.0 if source == "held" else 0.0), f"{where}: {within:.0%} repeat across workers"
                 assert n == 1 or across == 1.0, f"{where}: only {across:.0%} repeat across ranks"
-            lessonlib.report("repeats", {"setup": setup, "source": source, "across workers": within,
-                                         "across ranks": across if n > 1 else None, "draws": len(mine)})
+            lessonlib.report(
+                "repeats",
+                {
+                    "setup": setup,
+                    "source": source,
+                    "across workers": within,
+                    "across ranks": across if n > 1 else None,
+                    "draws": len(mine),
+                },
+            )
         if ctx.is_main:
             cells = "  ".join(f"{s} {w:4.0%} {'  n/a' if n == 1 else f'{a:4.0%}'}" for s, (w, a) in table.items())
             print(f"setup {setup}: repeated across workers / across ranks:  {cells}")

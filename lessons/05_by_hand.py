@@ -32,6 +32,8 @@ def average_gradients(model, world_size):
     for p in model.parameters():
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         p.grad /= world_size
+
+
 # [end: average_gradients]
 
 
@@ -45,13 +47,16 @@ def step(model, opt, x, y, sync=None):
         sync(model)
     opt.step()
     return loss.item()
+
+
 # [end: step]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--batch", type=int, default=4, choices=range(1, 257), metavar="1..256",
-                        help="rows per rank per step (b)")
+    parser.add_argument(
+        "--batch", type=int, default=4, choices=range(1, 257), metavar="1..256", help="rows per rank per step (b)"
+    )
     parser.add_argument("--steps", type=int, default=5, choices=range(1, 101), metavar="1..100")
     args = parser.parse_args()
     ctx = lessonlib.setup(device="cpu")
@@ -62,8 +67,10 @@ def main():
     by_hand = mlp(seed=0)  # this rank's b rows, gradients averaged by average_gradients
     ddp = DDP(mlp(seed=0))  # this rank's b rows, gradients averaged by DDP
     # [end: three_runs]
-    opts = {name: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-            for name, m in [("reference", reference), ("by hand", by_hand), ("DDP", ddp)]}
+    opts = {
+        name: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        for name, m in [("reference", reference), ("by hand", by_hand), ("DDP", ddp)]
+    }
     mine = my_rows([b] * n, r)
     for s in range(args.steps):
         x, y = global_batch(s, n * b)
@@ -80,11 +87,15 @@ def main():
             assert all(torch.equal(c, replicas[0]) for c in replicas), f"rank {r}: {name} replicas differ"
         lessonlib.report("gaps", row)
         if ctx.is_main:
-            print(f"step {s + 1}: reference loss {ref_loss:.5f}; largest gap to the reference: "
-                  f"by hand {row['by hand']:.1e}, DDP {row['DDP']:.1e}")
+            print(
+                f"step {s + 1}: reference loss {ref_loss:.5f}; largest gap to the reference: "
+                f"by hand {row['by hand']:.1e}, DDP {row['DDP']:.1e}"
+            )
     if ctx.is_main:
-        print(f"{n} rank(s) x {b} rows == 1 process x {n * b} rows, after {args.steps} steps "
-              f"(to {TOL:g}), for the hand-written loop and for DDP; replicas bitwise equal across ranks")
+        print(
+            f"{n} rank(s) x {b} rows == 1 process x {n * b} rows, after {args.steps} steps "
+            f"(to {TOL:g}), for the hand-written loop and for DDP; replicas bitwise equal across ranks"
+        )
     lessonlib.teardown()
 
 

@@ -44,8 +44,13 @@ def cpu_data_parallel():
     x = torch.randn(8, 6)
     out = dp(x)  # no GPU: no scatter, no replicas, no threads; just model(x)
     # [end: cpu]
-    seen = {"ran": True, "device_ids": dp.device_ids, "calls": len(calls), "rows per call": [c[1] for c in calls],
-            "same thread": calls[0][0] == threading.get_ident()}
+    seen = {
+        "ran": True,
+        "device_ids": dp.device_ids,
+        "calls": len(calls),
+        "rows per call": [c[1] for c in calls],
+        "same thread": calls[0][0] == threading.get_ident(),
+    }
     assert dp.device_ids == [] and dp.module is model, dp.device_ids
     assert calls == [(threading.get_ident(), 8)], f"expected one call, whole batch, this thread: {calls}"
     assert torch.equal(out, model(x))
@@ -56,20 +61,29 @@ def gpu_data_parallel():
     """With 2+ GPUs: one call per GPU, each in its own thread on its slice; output on GPU 0."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count < 2:
-        return {"ran": False, "reason": f"needs 2 or more GPUs; torch.cuda.is_available() is "
-                                        f"{torch.cuda.is_available()}, device_count {count}"}
+        return {
+            "ran": False,
+            "reason": f"needs 2 or more GPUs; torch.cuda.is_available() is "
+            f"{torch.cuda.is_available()}, device_count {count}",
+        }
     model = torch.nn.Linear(6, 2).cuda(0)
     calls = []
-    model.register_forward_hook(lambda m, inp, out: calls.append(
-        (threading.get_ident(), inp[0].device.index, inp[0].shape[0])))
+    model.register_forward_hook(
+        lambda m, inp, out: calls.append((threading.get_ident(), inp[0].device.index, inp[0].shape[0]))
+    )
     dp = torch.nn.DataParallel(model)
     x = torch.randn(8 * count, 6, device="cuda:0")
     out = dp(x)
     assert len(calls) == count and sorted(c[1] for c in calls) == list(range(count)), calls
     assert len({c[0] for c in calls}) == count, "expected one thread per GPU"
     assert out.device.index == 0 and torch.allclose(out, model(x), atol=1e-5)
-    return {"ran": True, "gpus": count, "rows per call": [c[2] for c in calls],
-            "threads": len({c[0] for c in calls}), "output device": str(out.device)}
+    return {
+        "ran": True,
+        "gpus": count,
+        "rows per call": [c[2] for c in calls],
+        "threads": len({c[0] for c in calls}),
+        "output device": str(out.device),
+    }
 
 
 def work(model, iters, x):
@@ -116,9 +130,12 @@ def main():
     times = gil(ctx, args.iters)
     if ctx.is_main:
         lessonlib.report("gil", times)
-        print(f"DataParallel without GPUs: device_ids={cpu['device_ids']}, {cpu['calls']} call of the module, "
-              f"on all {cpu['rows per call'][0]} rows, in the caller's thread" if cpu["ran"] else
-              f"DataParallel without GPUs: not run: {cpu['reason']}")
+        print(
+            f"DataParallel without GPUs: device_ids={cpu['device_ids']}, {cpu['calls']} call of the module, "
+            f"on all {cpu['rows per call'][0]} rows, in the caller's thread"
+            if cpu["ran"]
+            else f"DataParallel without GPUs: not run: {cpu['reason']}"
+        )
         print(f"DataParallel with GPUs: {gpu if gpu['ran'] else 'skipped: ' + gpu['reason']}")
         base = times["one thread"]
         for name, t in times.items():

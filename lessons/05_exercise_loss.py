@@ -51,8 +51,10 @@ def verdict(fn, ctx):
         gap = (got - want).abs().max().item()
         if gap > TOL:
             ratio = (got @ want / (want @ want)).item()
-            return (f"rows per rank {sizes}: the gradient is {gap:.2e} from one process on all rows "
-                    f"(about {ratio:.3f} x the right one)")
+            return (
+                f"rows per rank {sizes}: the gradient is {gap:.2e} from one process on all rows "
+                f"(about {ratio:.3f} x the right one)"
+            )
     return None
 
 
@@ -62,6 +64,8 @@ def ddp_loss(pred, target):
     dist.all_reduce(rows)  # rows on all ranks together
     # DDP divides by the world size; multiplying by it leaves (sum over all rows) / (all rows).
     return torch.nn.functional.mse_loss(pred, target, reduction="sum") * dist.get_world_size() / rows
+
+
 # [end: solution]
 
 
@@ -79,7 +83,9 @@ def sum_over_all_rows(pred, target):
 
 def main():
     wrong = [per_rank_mean, sum_over_all_rows]  # one rank holds all rows: both are right there
-    run_checker(__doc__, verdict, ddp_loss, wrong, right_alone=wrong, passed="gives the all-rows gradient on every case")
+    run_checker(
+        __doc__, verdict, ddp_loss, wrong, right_alone=wrong, passed="gives the all-rows gradient on every case"
+    )
 
 
 if __name__ == "__main__":

@@ -65,6 +65,8 @@ def global_mean_loss(pred, target, world_size):
     rows = torch.tensor([float(pred.shape[0])], dtype=torch.float64)
     dist.all_reduce(rows)  # rows on all ranks together
     return F.mse_loss(pred, target, reduction="sum") * world_size / rows
+
+
 # [end: unequal_fix]
 
 
@@ -76,8 +78,14 @@ def compare(got, want):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--batch", type=int, default=4, choices=range(2, 257), metavar="2..256",
-                        help="rows per rank (b); unequal case: rank r gets b + r")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=4,
+        choices=range(2, 257),
+        metavar="2..256",
+        help="rows per rank (b); unequal case: rank r gets b + r",
+    )
     args = parser.parse_args()
     ctx = lessonlib.setup(device="cpu")
     n, r, b = ctx.world_size, ctx.rank, args.batch
@@ -97,8 +105,9 @@ def main():
     rows = []
     for case, (got, expected) in scaling.items():
         factor, gap = compare(got, want)
-        assert abs(factor - expected) < TOL * max(1, expected) and gap < TOL, \
+        assert abs(factor - expected) < TOL * max(1, expected) and gap < TOL, (
             f"rank {r}: {case}: factor {factor} (expected {expected}), gap {gap:.1e}"
+        )
         rows.append({"case": case, "factor": factor, "gap after rescaling": gap})
 
     sizes = [b + k for k in range(n)]  # rank k holds b + k rows
@@ -110,11 +119,20 @@ def main():
     direction = {  # case: (gradient, reference, fixed?)
         "unequal rows, mean loss": (ddp_grad(xu[mine_u], yu[mine_u], mean), want_u, False),
         "unequal rows, global_mean_loss": (
-            ddp_grad(xu[mine_u], yu[mine_u], lambda p, t: global_mean_loss(p, t, n)), want_u, True),
-        "BatchNorm": (ddp_grad(x[mine], y[mine], mean, extra=[torch.nn.BatchNorm1d(8).double()]),
-                      reference_grad(x, y, extra=[torch.nn.BatchNorm1d(8).double()]), False),
-        "dropout": (ddp_grad(x[mine], y[mine], mean, extra=[recording_dropout(dropout_p, ddp_masks)]),
-                    reference_grad(x, y, extra=[recording_dropout(dropout_p, ref_masks)]), False),
+            ddp_grad(xu[mine_u], yu[mine_u], lambda p, t: global_mean_loss(p, t, n)),
+            want_u,
+            True,
+        ),
+        "BatchNorm": (
+            ddp_grad(x[mine], y[mine], mean, extra=[torch.nn.BatchNorm1d(8).double()]),
+            reference_grad(x, y, extra=[torch.nn.BatchNorm1d(8).double()]),
+            False,
+        ),
+        "dropout": (
+            ddp_grad(x[mine], y[mine], mean, extra=[recording_dropout(dropout_p, ddp_masks)]),
+            reference_grad(x, y, extra=[recording_dropout(dropout_p, ref_masks)]),
+            False,
+        ),
     }
     for case, (got, ref, fixed) in direction.items():
         factor, gap = compare(got, ref)
@@ -129,15 +147,23 @@ def main():
     masks = gather(ddp_masks[0].double())
     same_on_all = all(torch.equal(m, masks[0]) for m in masks)
     rank0_is_reference = torch.equal(masks[0].bool(), ref_masks[0][:b])
-    others_differ = all(not torch.equal(ref_masks[0][k * b:(k + 1) * b], masks[0].bool()) for k in range(1, n))
+    others_differ = all(not torch.equal(ref_masks[0][k * b : (k + 1) * b], masks[0].bool()) for k in range(1, n))
     assert same_on_all and rank0_is_reference and others_differ, (same_on_all, rank0_is_reference, others_differ)
-    lessonlib.report("dropout masks", {"same on every rank": same_on_all, "rank 0's are the reference's": rank0_is_reference,
-                                       "the reference's for other ranks' rows differ": others_differ})
+    lessonlib.report(
+        "dropout masks",
+        {
+            "same on every rank": same_on_all,
+            "rank 0's are the reference's": rank0_is_reference,
+            "the reference's for other ranks' rows differ": others_differ,
+        },
+    )
 
     for row in rows:
         lessonlib.report("cases", row)
         if ctx.is_main:
-            print(f"{row['case']:40} factor {row['factor']:8.4f}   gap after rescaling {row['gap after rescaling']:.1e}")
+            print(
+                f"{row['case']:40} factor {row['factor']:8.4f}   gap after rescaling {row['gap after rescaling']:.1e}"
+            )
     lessonlib.teardown()
 
 

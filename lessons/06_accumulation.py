@@ -54,6 +54,8 @@ def accumulate_step(ddp, opt, micro_batches, scale=True, sync_last=True, use_no_
             loss = F.mse_loss(ddp(x), y)
             (loss / k if scale else loss).backward()  # gradients add up in .grad
     opt.step()
+
+
 # [end: accumulate]
 
 
@@ -82,7 +84,9 @@ def timing(ctx, k, steps):
         elapsed = torch.tensor([time.perf_counter() - start])
         torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
         result["no_sync" if use_no_sync else "sync every micro-batch"] = {
-            "ms per step": 1e3 * elapsed.item() / steps, "MB sent per step": counter["bytes"] / (steps + 1) / 1e6}
+            "ms per step": 1e3 * elapsed.item() / steps,
+            "MB sent per step": counter["bytes"] / (steps + 1) / 1e6,
+        }
     return result
 
 
@@ -96,8 +100,12 @@ def main():
     ctx = lessonlib.setup(device="cpu")
     k, m, n = args.micro, args.rows, ctx.world_size
 
-    cases = {"1/k, no_sync": {}, "1/k, sync every micro-batch": dict(use_no_sync=False),
-             "no 1/k": dict(scale=False), "no_sync on all k": dict(sync_last=False)}
+    cases = {
+        "1/k, no_sync": {},
+        "1/k, sync every micro-batch": dict(use_no_sync=False),
+        "no 1/k": dict(scale=False),
+        "no_sync on all k": dict(sync_last=False),
+    }
     for case, mistakes in cases.items():
         reference, (ddp, counter) = mlp(seed=0), counted_ddp(mlp(seed=0))
         opts = [torch.optim.SGD(mod.parameters(), lr=0.1) for mod in (reference, ddp)]
@@ -121,11 +129,21 @@ def main():
             assert abs(factor - k) < TOL * k, f"rank {ctx.rank}: without 1/k the gradient is {factor}x, not {k}x"
         elif n > 1:
             assert calls == 0 and not in_sync, f"rank {ctx.rank}: {case}: {calls} all-reduces, in sync: {in_sync}"
-        row = lessonlib.report("cases", {"case": case, "all-reduces per step": calls, "first-step gradient factor":
-                                         factor, "gap to reference": gap, "replicas equal": in_sync})
+        lessonlib.report(
+            "cases",
+            {
+                "case": case,
+                "all-reduces per step": calls,
+                "first-step gradient factor": factor,
+                "gap to reference": gap,
+                "replicas equal": in_sync,
+            },
+        )
         if ctx.is_main:
-            print(f"{case:28} all-reduces/step {calls:4.1f}  gradient x{factor:.3f}  gap to one process "
-                  f"{gap:.1e}  replicas equal: {in_sync}")
+            print(
+                f"{case:28} all-reduces/step {calls:4.1f}  gradient x{factor:.3f}  gap to one process "
+                f"{gap:.1e}  replicas equal: {in_sync}"
+            )
 
     times = timing(ctx, k, args.timing_steps)
     if ctx.is_main:

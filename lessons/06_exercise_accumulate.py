@@ -71,11 +71,14 @@ def accumulate_step(ddp, opt, micro_batches):
         with ddp.no_sync() if i < k - 1 else contextlib.nullcontext():
             (torch.nn.functional.mse_loss(ddp(x), y) / k).backward()
     opt.step()
+
+
 # [end: solution]
 
 
 def no_scale(ddp, opt, micro_batches):
     import contextlib
+
     opt.zero_grad()
     for i, (x, y) in enumerate(micro_batches):
         with ddp.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
@@ -99,8 +102,13 @@ def all_in_no_sync(ddp, opt, micro_batches):
 
 
 def main():
-    run_checker(__doc__, verdict, accumulate_step, wrong=[no_scale, no_no_sync, all_in_no_sync],
-                passed="matches one process, with one all-reduce per step")
+    run_checker(
+        __doc__,
+        verdict,
+        accumulate_step,
+        wrong=[no_scale, no_no_sync, all_in_no_sync],
+        passed="matches one process, with one all-reduce per step",
+    )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,10 @@ ROWS = 1024
 def warmup(opt, base_lr, factor, warmup_steps):
     """Linear warm-up from base_lr to factor x base_lr over warmup_steps, then constant."""
     return torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: 1 + (factor - 1) * min(step, warmup_steps) / warmup_steps)
+        opt, lambda step: 1 + (factor - 1) * min(step, warmup_steps) / warmup_steps
+    )
+
+
 # [end: warmup]
 
 
@@ -69,14 +72,17 @@ def train(ctx, data, batch, lr, epochs, distributed, factor=1.0, warmup_steps=0)
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--batch", type=int, default=16, choices=range(1, 129), metavar="1..128",
-                        help="rows per rank per step (b)")
+    parser.add_argument(
+        "--batch", type=int, default=16, choices=range(1, 129), metavar="1..128", help="rows per rank per step (b)"
+    )
     parser.add_argument("--epochs", type=int, default=4, choices=range(1, 51), metavar="1..50")
     parser.add_argument("--lr", type=float, default=0.02, help="the single-process learning rate (0 < lr <= 0.05)")
     args = parser.parse_args()
     if not 0 < args.lr <= 0.05:
-        parser.error(f"--lr {args.lr}: use a rate in (0, 0.05]; the lesson's comparison assumes a rate small "
-                     "enough to be what limits progress")
+        parser.error(
+            f"--lr {args.lr}: use a rate in (0, 0.05]; the lesson's comparison assumes a rate small "
+            "enough to be what limits progress"
+        )
     ctx = lessonlib.setup(device="cpu")
     n, b = ctx.world_size, args.batch
     data = TensorDataset(*global_batch(0, ROWS))
@@ -86,8 +92,9 @@ def main():
         "1 process, batch b, lr": train(ctx, data, b, args.lr, args.epochs, distributed=False),
         "N ranks, batch b each, lr": train(ctx, data, b, args.lr, args.epochs, True),
         "N ranks, lr x N": train(ctx, data, b, args.lr, args.epochs, True, factor=n),
-        "N ranks, lr x N, warm-up": train(ctx, data, b, args.lr, args.epochs, True, factor=n,
-                                          warmup_steps=math.ceil(ROWS / (n * b))),  # one epoch
+        "N ranks, lr x N, warm-up": train(
+            ctx, data, b, args.lr, args.epochs, True, factor=n, warmup_steps=math.ceil(ROWS / (n * b))
+        ),  # one epoch
     }
     # [end: runs]
     single, same_lr, scaled, warm = runs.values()
@@ -97,18 +104,23 @@ def main():
     expected = [args.lr * (1 + (n - 1) * min(s, w) / w) for s in range(len(warm["lrs"]))]
     assert all(abs(a - e) < 1e-12 for a, e in zip(warm["lrs"], expected)), "warm-up schedule is off"
     if n > 1:
-        assert same_lr["losses"][-1] > single["losses"][-1], \
+        assert same_lr["losses"][-1] > single["losses"][-1], (
             f"N ranks at the same lr should lag one process here: {same_lr['losses']} vs {single['losses']}"
-        assert scaled["losses"][-1] < same_lr["losses"][-1], \
+        )
+        assert scaled["losses"][-1] < same_lr["losses"][-1], (
             f"lr x {n} should beat the unscaled rate here: {scaled['losses']} vs {same_lr['losses']}"
+        )
         gaps = [wl - sl for wl, sl in zip(warm["losses"], scaled["losses"])]  # warm-up behind the scaled run
-        assert len(gaps) < 3 or gaps[0] > 0 and abs(gaps[-1]) < gaps[0] / 4, \
+        assert len(gaps) < 3 or gaps[0] > 0 and abs(gaps[-1]) < gaps[0] / 4, (
             f"warm-up should start behind the scaled run and, after 3 epochs or more, nearly catch up: {gaps}"
+        )
     for name, run in runs.items():
         row = lessonlib.report("runs", {"run": name, "world size": n, **run})
         if ctx.is_main:
-            print(f"{name:28} {run['steps per epoch']:3} steps/epoch, lr {run['lrs'][0]:.3f}->{run['lrs'][-1]:.3f}, "
-                  f"loss by epoch {' '.join(f'{v:.4f}' for v in row['losses'])}")
+            print(
+                f"{name:28} {run['steps per epoch']:3} steps/epoch, lr {run['lrs'][0]:.3f}->{run['lrs'][-1]:.3f}, "
+                f"loss by epoch {' '.join(f'{v:.4f}' for v in row['losses'])}"
+            )
     lessonlib.teardown()
 
 

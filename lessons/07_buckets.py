@@ -50,19 +50,29 @@ def watch(model, cap_mb):
     log = {"it": 0, "buckets": [], "ready": []}
 
     def hook(state, bucket):  # called once per bucket, as soon as it is full and the ones before it have gone
-        log["buckets"].append(row := {
-            "it": log["it"], "index": bucket.index(), "params": [names[id(p)] for p in bucket.parameters()],
-            "bytes": bucket.buffer().numel() * bucket.buffer().element_size(), "launch": time.perf_counter()})
+        log["buckets"].append(
+            row := {
+                "it": log["it"],
+                "index": bucket.index(),
+                "params": [names[id(p)] for p in bucket.parameters()],
+                "bytes": bucket.buffer().numel() * bucket.buffer().element_size(),
+                "launch": time.perf_counter(),
+            }
+        )
 
         def stamp(fut):  # runs when the all-reduce has finished
             row["done"] = time.perf_counter()
             return fut.value()
+
         return allreduce_hook(None, bucket).then(stamp)
+
     ddp = DDP(model) if cap_mb is None else DDP(model, bucket_cap_mb=cap_mb)
     ddp.register_comm_hook(None, hook)
     for n, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, n=n: log["ready"].append((log["it"], n, time.perf_counter())))
     return ddp, log
+
+
 # [end: hooks]
 
 
@@ -105,11 +115,23 @@ def check(model, log, layouts, cap_mb):
 def timeline(log, buckets, span, it):
     """Iteration `it` for a plot: times in ms from the start of its backward, all on one clock."""
     ms = lambda t: round((t - span[0]) * 1e3, 4)  # noqa: E731
-    return {"iteration": it, "backward_end_ms": ms(span[1]),
-            "grad_ready": [{"param": n, "layer": int(n.split(".")[0][2:]), "ms": ms(t)}
-                           for i, n, t in log["ready"] if i == it],
-            "buckets": [{"index": b["index"], "params": b["params"], "bytes": b["bytes"],
-                         "launch_ms": ms(b["launch"]), "done_ms": ms(b["done"])} for b in buckets]}
+    return {
+        "iteration": it,
+        "backward_end_ms": ms(span[1]),
+        "grad_ready": [
+            {"param": n, "layer": int(n.split(".")[0][2:]), "ms": ms(t)} for i, n, t in log["ready"] if i == it
+        ],
+        "buckets": [
+            {
+                "index": b["index"],
+                "params": b["params"],
+                "bytes": b["bytes"],
+                "launch_ms": ms(b["launch"]),
+                "done_ms": ms(b["done"]),
+            }
+            for b in buckets
+        ],
+    }
 
 
 # [start: views]
@@ -122,6 +144,7 @@ def grads_inside_buckets(as_view, steps=2):
         buf = bucket.buffer()
         spans.append((buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()))
         return allreduce_hook(None, bucket)
+
     ddp = DDP(model, gradient_as_bucket_view=as_view)
     ddp.register_comm_hook(None, hook)
     for _ in range(steps):
@@ -129,6 +152,8 @@ def grads_inside_buckets(as_view, steps=2):
         ddp(torch.randn(4, 8)).square().mean().backward()
     inside = [any(a <= p.grad.data_ptr() < b for a, b in spans) for p in model.parameters()]
     return sum(inside), len(inside)
+
+
 # [end: views]
 
 
@@ -159,20 +184,35 @@ def main():
         assert all(b["done"] <= end for b in buckets), f"iteration {it}: backward() returned before a bucket"
     if ctx.is_main:
         for it in (1, 2):
-            lessonlib.report("buckets", {"cap_mb": args.bucket_cap_mb, "iteration": it, "buckets": [
-                {k: b[k] for k in ("index", "params", "bytes")} for b in layouts[it - 1]]})
-            print(f"iteration {it}: {len(layouts[it - 1])} bucket(s): " + " | ".join(
-                f"#{b['index']} {b['params'][0]}..{b['params'][-1]} {b['bytes']} B" for b in layouts[it - 1]))
+            lessonlib.report(
+                "buckets",
+                {
+                    "cap_mb": args.bucket_cap_mb,
+                    "iteration": it,
+                    "buckets": [{k: b[k] for k in ("index", "params", "bytes")} for b in layouts[it - 1]],
+                },
+            )
+            print(
+                f"iteration {it}: {len(layouts[it - 1])} bucket(s): "
+                + " | ".join(
+                    f"#{b['index']} {b['params'][0]}..{b['params'][-1]} {b['bytes']} B" for b in layouts[it - 1]
+                )
+            )
         tl = lessonlib.report("timeline", timeline(log, layouts[-1], spans[-1], args.steps))
         b0, ready = tl["buckets"][0], {g["param"]: g["ms"] for g in tl["grad_ready"]}
-        print(f"iteration {args.steps}, ms into backward: bucket 0 launched {b0['launch_ms']:.3f}, done "
-              f"{b0['done_ms']:.3f}; fc0.weight's gradient ready {ready['fc0.weight']:.3f}; "
-              f"backward returned {tl['backward_end_ms']:.3f}")
+        print(
+            f"iteration {args.steps}, ms into backward: bucket 0 launched {b0['launch_ms']:.3f}, done "
+            f"{b0['done_ms']:.3f}; fc0.weight's gradient ready {ready['fc0.weight']:.3f}; "
+            f"backward returned {tl['backward_end_ms']:.3f}"
+        )
 
     sweep = {}  # every model here is under 25 MiB (32 layers of 256 x 256 at most)
     for cap in sorted({*SWEEP, args.bucket_cap_mb}):  # the same order on every rank: DDP() is a collective
-        sweep[cap] = len(layouts[1] if cap == args.bucket_cap_mb else
-                         run(*watch(build(args.layers, args.width), cap), 2, args.width, ctx.rank)[0][1])
+        sweep[cap] = len(
+            layouts[1]
+            if cap == args.bucket_cap_mb
+            else run(*watch(build(args.layers, args.width), cap), 2, args.width, ctx.rank)[0][1]
+        )
     assert list(sweep.values()) == sorted(sweep.values(), reverse=True) and sweep[25] == 1, sweep
     # [start: first_bucket]
     big = {}  # 5 layers of 256 x 256 floats, 1.3 MB: more than DDP's 1 MiB first bucket
@@ -184,7 +224,9 @@ def main():
     views = {flag: grads_inside_buckets(flag) for flag in (False, True)}
     assert views[False][0] == 0 and views[True][0] == views[True][1], views
     if ctx.is_main:
-        lessonlib.report("views", {f"gradient_as_bucket_view={k}": f"{n} of {total}" for k, (n, total) in views.items()})
+        lessonlib.report(
+            "views", {f"gradient_as_bucket_view={k}": f"{n} of {total}" for k, (n, total) in views.items()}
+        )
         lessonlib.report("sweep", [{"cap_mb": c, "buckets": n} for c, n in sweep.items()])
         lessonlib.report("first_bucket", {"default": big[None], "cap_25": big[25]})
         print(f"buckets at iteration 2 by bucket_cap_mb: {sweep}")

@@ -23,7 +23,6 @@ Options: --eval-on-main module (the default) or wrapper (the pitfall), best with
 import argparse
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lessonlib
@@ -108,8 +107,11 @@ def train_with_eval_on_main(ctx, target, steps=3):
             with torch.no_grad():
                 loss = model(torch.randn(64, 4, generator=torch.Generator().manual_seed(99))).square().mean()
             model.train()
-            print(f"rank 0 evaluated through {'ddp.module' if target == 'module' else 'the DDP wrapper'}: "
-                  f"loss {loss.item():.4f}", flush=True)
+            print(
+                f"rank 0 evaluated through {'ddp.module' if target == 'module' else 'the DDP wrapper'}: "
+                f"loss {loss.item():.4f}",
+                flush=True,
+            )
         # [end: eval_on_main]
     copies = gather(flat_params(ddp.module))
     same = all(torch.equal(c, copies[0]) for c in copies)
@@ -119,8 +121,12 @@ def train_with_eval_on_main(ctx, target, steps=3):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--eval-on-main", choices=["module", "wrapper"], default="module",
-                        help="what rank 0 evaluates alone: ddp.module (right) or the DDP wrapper (the pitfall)")
+    parser.add_argument(
+        "--eval-on-main",
+        choices=["module", "wrapper"],
+        default="module",
+        help="what rank 0 evaluates alone: ddp.module (right) or the DDP wrapper (the pitfall)",
+    )
     parser.add_argument("--pg-timeout", type=float, default=None, help="process-group timeout in seconds")
     args = parser.parse_args()
     ctx = lessonlib.setup(timeout=args.pg_timeout, device="cpu")
@@ -130,8 +136,10 @@ def main():
         for row in rows:
             print(f"{row['forward']:<66} broadcast: {row['buffers broadcast']}")
     result = lessonlib.report("eval_on_main", train_with_eval_on_main(ctx, args.eval_on_main))
-    print(f"rank {ctx.rank}: after {result['steps']} steps, weights equal on every rank: "
-          f"{result['weights equal on every rank']}")
+    print(
+        f"rank {ctx.rank}: after {result['steps']} steps, weights equal on every rank: "
+        f"{result['weights equal on every rank']}"
+    )
     lessonlib.teardown()
 
 

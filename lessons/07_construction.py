@@ -79,9 +79,11 @@ def buffers(ctx, steps):
     expected = alone[1].running_mean
     assert torch.allclose(after_training[0], expected, atol=1e-6), "rank 0's running mean is not rank 0's data alone"
     assert all(torch.equal(c, after_eval[0]) for c in after_eval), f"rank {ctx.rank}: eval did not sync the buffers"
-    return {"running mean[0] after training, by rank": [c[0].item() for c in after_training],
-            "after an eval forward": [c[0].item() for c in after_eval],
-            ALONE: expected[0].item()}
+    return {
+        "running mean[0] after training, by rank": [c[0].item() for c in after_training],
+        "after an eval forward": [c[0].item() for c in after_eval],
+        ALONE: expected[0].item(),
+    }
 
 
 def module_and_checkpoints(ctx):
@@ -114,13 +116,17 @@ def main():
     stats = lessonlib.report("buffers", buffers(ctx, args.steps))
     ckpt = lessonlib.report("checkpoint", module_and_checkpoints(ctx))
     dist.barrier()
-    print(f"rank {ctx.rank}: fingerprint before -> after DDP(model): "
-          + ", ".join(f"{k}: {v['before']} -> {v['after']}" for k, v in built.items()))
+    print(
+        f"rank {ctx.rank}: fingerprint before -> after DDP(model): "
+        + ", ".join(f"{k}: {v['before']} -> {v['after']}" for k, v in built.items())
+    )
     if ctx.is_main:
-        print(f"running_mean[0] after {args.steps} training steps, by rank: "
-              f"{[round(v, 4) for v in stats['running mean[0] after training, by rank']]}; after an eval forward: "
-              f"{[round(v, 4) for v in stats['after an eval forward']]}; rank 0's batches alone: "
-              f"{stats[ALONE]:.4f}")
+        print(
+            f"running_mean[0] after {args.steps} training steps, by rank: "
+            f"{[round(v, 4) for v in stats['running mean[0] after training, by rank']]}; after an eval forward: "
+            f"{[round(v, 4) for v in stats['after an eval forward']]}; rank 0's batches alone: "
+            f"{stats[ALONE]:.4f}"
+        )
         print(f"ddp.state_dict() keys {ckpt['ddp keys'][:2]}...; loading them into the bare model:")
         for line in ckpt["error"].splitlines()[:3]:
             print("  " + line.strip()[:150])

@@ -30,10 +30,12 @@ TOL = 1e-10
 def cases(world_size):
     """(name, rows on each rank, features, shift between ranks): the same list on every rank."""
     n = world_size
-    return [("equal rows", [4] * n, 3, 2.0),
-            ("rank 0 has a single row", [1] + [5] * (n - 1), 2, 1.0),
-            ("rows grow with rank", [2 + 3 * k for k in range(n)], 4, 3.0),
-            ("the last rank has a single row", [6] * (n - 1) + [1], 1, -1.5)]
+    return [
+        ("equal rows", [4] * n, 3, 2.0),
+        ("rank 0 has a single row", [1] + [5] * (n - 1), 2, 1.0),
+        ("rows grow with rank", [2 + 3 * k for k in range(n)], 4, 3.0),
+        ("the last rank has a single row", [6] * (n - 1) + [1], 1, -1.5),
+    ]
 
 
 def rows(seed, counts, features, shift, rank, device):
@@ -46,7 +48,7 @@ def rows(seed, counts, features, shift, rank, device):
 def gather_rows(x, counts):
     """All ranks' rows, in rank order. all_gather needs one shape on every rank, so pad to the longest."""
     padded = torch.zeros(max(counts), x.shape[1], dtype=x.dtype, device=x.device)
-    padded[:len(x)] = x
+    padded[: len(x)] = x
     out = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(out, padded)
     return torch.cat([o[:c] for o, c in zip(out, counts)])
@@ -64,18 +66,24 @@ def mismatch(got, everyone):
     except (TypeError, ValueError, RuntimeError) as e:
         return f"returned {got!r}, not a pair of tensors ({e})"
     if len(got) != 2 or any(g.shape != want[0].shape for g in got):
-        return (f"returned shapes {[tuple(g.shape) for g in got]}; expected (mean, var), "
-                f"each of shape {tuple(want[0].shape)} like x.mean(0)")
+        return (
+            f"returned shapes {[tuple(g.shape) for g in got]}; expected (mean, var), "
+            f"each of shape {tuple(want[0].shape)} like x.mean(0)"
+        )
     if not all(torch.allclose(g, w, rtol=TOL, atol=TOL) for g, w in zip(got, want)):
-        return (f"returned mean {short(got[0])}, var {short(got[1])}; over all {len(everyone)} rows "
-                f"they are mean {short(want[0])}, var {short(want[1])}")
+        return (
+            f"returned mean {short(got[0])}, var {short(got[1])}; over all {len(everyone)} rows "
+            f"they are mean {short(want[0])}, var {short(want[1])}"
+        )
     return None
 
 
 def verdict(fn, ctx):
     """None if fn gives the global statistics on every case on this rank, else the first problem seen."""
-    todo = [(name, counts, rows(seed, counts, features, shift, ctx.rank, ctx.device))
-            for seed, (name, counts, features, shift) in enumerate(cases(ctx.world_size))]
+    todo = [
+        (name, counts, rows(seed, counts, features, shift, ctx.rank, ctx.device))
+        for seed, (name, counts, features, shift) in enumerate(cases(ctx.world_size))
+    ]
     # The truth first, so that none of the checker's own collectives sits between a solution's.
     truths = [gather_rows(x, counts) for _, counts, x in todo]
     problem = None
@@ -100,6 +108,8 @@ def global_batch_stats(x):
     count = totals[2]
     mean = totals[0] / count
     return mean, totals[1] / count - mean * mean
+
+
 # [end: solution]
 
 
@@ -128,9 +138,15 @@ def mean_of_means(x):
 
 def main():
     wrong = [local_only, average_of_ranks, mean_of_means]  # one rank: its rows are the global batch
-    run_checker(__doc__, verdict, global_batch_stats, wrong, right_alone=wrong,
-                passed="gives the global batch's mean and variance on every case",
-                device=None)  # device=None: the rows go to ctx.device, GPUs (nccl) where there are
+    run_checker(
+        __doc__,
+        verdict,
+        global_batch_stats,
+        wrong,
+        right_alone=wrong,
+        passed="gives the global batch's mean and variance on every case",
+        device=None,
+    )  # device=None: the rows go to ctx.device, GPUs (nccl) where there are
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def gather_rows(x):
     dist.all_gather(counts, torch.tensor([len(x)], device=x.device))
     counts = [c.item() for c in counts]
     padded = torch.zeros(max(counts), x.shape[1], dtype=x.dtype, device=x.device)
-    padded[:len(x)] = x
+    padded[: len(x)] = x
     out = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(out, padded)
     return torch.cat([o[:c] for o, c in zip(out, counts)]), counts
@@ -61,17 +61,24 @@ def sync_batch_norm(x, weight, bias, running_mean, running_var, momentum=0.1, ep
         running_mean.lerp_(mean, momentum)
         running_var.lerp_(var * count / (count - 1), momentum)  # the running var is the unbiased one
     return (x - mean) / torch.sqrt(var + eps) * weight + bias
+
+
 # [end: by_hand]
 
 
 def on_gpu(ctx, x, w, weight, bias):
     """The real SyncBatchNorm's output, input gradient and running var, or the reason it cannot run here."""
     if not torch.cuda.is_available():
-        return None, "skipped: SyncBatchNorm needs CUDA tensors and this machine has no GPU " \
-                     "(torch.cuda.is_available() is False)"
+        return (
+            None,
+            "skipped: SyncBatchNorm needs CUDA tensors and this machine has no GPU "
+            "(torch.cuda.is_available() is False)",
+        )
     if ctx.backend != "nccl":
-        return None, (f"skipped: backend is {ctx.backend} ({torch.cuda.device_count()} GPU(s) for "
-                      f"{ctx.local_world_size} local ranks); SyncBatchNorm needs a GPU per rank and NCCL")
+        return None, (
+            f"skipped: backend is {ctx.backend} ({torch.cuda.device_count()} GPU(s) for "
+            f"{ctx.local_world_size} local ranks); SyncBatchNorm needs a GPU per rank and NCCL"
+        )
     # [start: convert]
     bn = torch.nn.SyncBatchNorm.convert_sync_batchnorm(batchnorm(x.shape[1], weight, bias)).to(ctx.device)
     # [end: convert]
@@ -84,8 +91,14 @@ def on_gpu(ctx, x, w, weight, bias):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--rows", type=int, default=4, choices=range(2, 65), metavar="2..64",
-                        help="rows on rank 0; rank r holds rows + r")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=4,
+        choices=range(2, 65),
+        metavar="2..64",
+        help="rows on rank 0; rank r holds rows + r",
+    )
     parser.add_argument("--features", type=int, default=3, choices=range(1, 17), metavar="1..16")
     args = parser.parse_args()
     ctx = lessonlib.setup()
@@ -96,7 +109,7 @@ def main():
     # 1. Per-rank statistics against the global batch, which every rank rebuilds from the gathered rows.
     x = my_rows(r, args.rows, f, ctx.device)
     everyone, counts = gather_rows(x)
-    mine = slice(sum(counts[:r]), sum(counts[:r + 1]))
+    mine = slice(sum(counts[:r]), sum(counts[: r + 1]))
     reference = batchnorm(f, weight, bias)
     want = reference(everyone.requires_grad_())
     w = torch.linspace(-1, 2, everyone.numel(), **like).reshape(everyone.shape)  # fixed per row
@@ -104,10 +117,19 @@ def main():
     local = batchnorm(f, weight, bias)(x)  # what each rank gets without SyncBatchNorm
     gap = (local - want[mine]).abs().max().item()
     assert gap > 0.1 if n > 1 else gap < TOL, f"rank {r}: per-rank BatchNorm is {gap:.3g} from the global one"
-    lessonlib.report("per_rank_bn", {"rows": len(x), "local mean": x.mean(0)[0].item(),
-                                     "global mean": everyone.mean(0)[0].item(), "max gap to global": gap})
-    print(f"rank {r}: {len(x)} rows, feature 0 mean {x.mean(0)[0].item():.3f} here, "
-          f"{everyone.mean(0)[0].item():.3f} over all {len(everyone)}; per-rank BatchNorm is off by {gap:.3f}")
+    lessonlib.report(
+        "per_rank_bn",
+        {
+            "rows": len(x),
+            "local mean": x.mean(0)[0].item(),
+            "global mean": everyone.mean(0)[0].item(),
+            "max gap to global": gap,
+        },
+    )
+    print(
+        f"rank {r}: {len(x)} rows, feature 0 mean {x.mean(0)[0].item():.3f} here, "
+        f"{everyone.mean(0)[0].item():.3f} over all {len(everyone)}; per-rank BatchNorm is off by {gap:.3f}"
+    )
 
     # 2. torch's SyncBatchNorm: the conversion works on CPU, the training forward does not.
     # [start: cpu_error]
@@ -134,11 +156,13 @@ def main():
         out = sync_batch_norm(xs, weight, bias, running_mean, running_var)
     (out * w[mine]).sum().backward()  # each rank its rows' share; the all_reduce's backward adds the rest
     biased = everyone.detach().var(0, unbiased=False)  # BatchNorm starts at running var 1, momentum 0.1
-    gaps = {"max gap output": (out - want[mine]).abs().max().item(),
-            "max gap grad": (xs.grad - everyone.grad[mine]).abs().max().item(),
-            "max gap running mean": (running_mean - reference.running_mean).abs().max().item(),
-            "max gap running var": (running_var - reference.running_var).abs().max().item(),
-            "running var gap if biased": (0.9 + 0.1 * biased - reference.running_var).abs().max().item()}
+    gaps = {
+        "max gap output": (out - want[mine]).abs().max().item(),
+        "max gap grad": (xs.grad - everyone.grad[mine]).abs().max().item(),
+        "max gap running mean": (running_mean - reference.running_mean).abs().max().item(),
+        "max gap running var": (running_var - reference.running_var).abs().max().item(),
+        "running var gap if biased": (0.9 + 0.1 * biased - reference.running_var).abs().max().item(),
+    }
     assert max(v for k, v in gaps.items() if k.startswith("max")) < TOL, f"rank {r}: by hand differs: {gaps}"
     assert gaps["running var gap if biased"] > TOL, f"rank {r}: BatchNorm's running var looks biased"
     lessonlib.report("by_hand", gaps)
@@ -151,8 +175,9 @@ def main():
     lessonlib.report("gpu", {"ran": got is not None, "reason": reason})
 
     if ctx.is_main:
-        print(f"convert_sync_batchnorm: {before} -> {after}; training forward on CPU: "
-              f"{error['type']}: {error['message']}")
+        print(
+            f"convert_sync_batchnorm: {before} -> {after}; training forward on CPU: {error['type']}: {error['message']}"
+        )
         print("by hand: " + ", ".join(f"{k} {v:.1e}" for k, v in gaps.items()))
         if caught:
             print(f"note: {caught[0].category.__name__}: {caught[0].message}")

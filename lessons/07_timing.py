@@ -40,6 +40,8 @@ def per_tensor(model, all_reduce, world_size):
     for p in model.parameters():  # one collective per tensor: many tiny messages
         all_reduce(p.grad)
         p.grad /= world_size
+
+
 # [end: per_tensor]
 
 
@@ -51,6 +53,8 @@ def flat(model, all_reduce, world_size):
     buffer /= world_size
     for g, part in zip(grads, buffer.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
+
+
 # [end: flat]
 
 
@@ -103,25 +107,38 @@ def main():
     parser.add_argument("--width", type=int, default=128, choices=range(1, 1025), metavar="1..1024")
     parser.add_argument("--batch", type=int, default=32, choices=range(1, 1025), metavar="1..1024")
     parser.add_argument("--steps", type=int, default=3, choices=range(1, 201), metavar="1..200")
-    parser.add_argument("--caps", type=lessonlib.comma_list(float, low=0.001, high=100), default="0.01,0.5,25",
-                        metavar="MB,MB,...", help="bucket_cap_mb values to sweep (MiB)")
+    parser.add_argument(
+        "--caps",
+        type=lessonlib.comma_list(float, low=0.001, high=100),
+        default="0.01,0.5,25",
+        metavar="MB,MB,...",
+        help="bucket_cap_mb values to sweep (MiB)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per rank, as torchrun arranges when it starts several
     ctx = lessonlib.setup(device="cpu")
     n, r = ctx.world_size, ctx.rank
     caps = sorted(set(args.caps))
     g = torch.Generator().manual_seed(r)  # each rank its own data, the same for every variant
-    batches = [(torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width, generator=g))
-               for _ in range(WARMUP + args.steps)]
+    batches = [
+        (torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width, generator=g))
+        for _ in range(WARMUP + args.steps)
+    ]
     tensors = 2 * args.layers
 
     rows, weights = [], {}
-    for name, cap in [("local", None), ("per-tensor", None), ("flat", None), ("DDP default", None),
-                      *[("DDP", c) for c in caps]]:
+    for name, cap in [
+        ("local", None),
+        ("per-tensor", None),
+        ("flat", None),
+        ("DDP default", None),
+        *[("DDP", c) for c in caps],
+    ]:
         net, sync, calls = variant(name, cap, args, n)
         ms, per_step, weights[name, cap] = measure(net, sync, calls, batches, args.steps)
-        rows.append({"variant": name, "bucket_cap_mb": cap, "all_reduces_per_step": per_step,
-                     "median_ms": round(ms, 3)})
+        rows.append(
+            {"variant": name, "bucket_cap_mb": cap, "all_reduces_per_step": per_step, "median_ms": round(ms, 3)}
+        )
 
     want = weights["per-tensor", None]
     for (name, cap), got in weights.items():
@@ -133,8 +150,10 @@ def main():
     swept = [counts["DDP", c] for c in caps]
     assert min(swept) >= 1 and swept == sorted(swept, reverse=True), f"buckets by cap {caps}: {swept}"
     if ctx.is_main:
-        print(f"{n} rank(s), {args.layers} x Linear({args.width}, {args.width}) = {tensors} tensors, "
-              f"batch {args.batch}, median of {args.steps} steps, slowest rank")
+        print(
+            f"{n} rank(s), {args.layers} x Linear({args.width}, {args.width}) = {tensors} tensors, "
+            f"batch {args.batch}, median of {args.steps} steps, slowest rank"
+        )
         print(f"{'variant':12} {'cap MB':>7} {'all_reduces':>11} {'ms/step':>8}")
         for row in rows:
             lessonlib.report("timing", row)

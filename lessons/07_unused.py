@@ -30,6 +30,8 @@ class TwoHeads(torch.nn.Module):
 
     def forward(self, x, head):
         return (self.head_a if head == "a" else self.head_b)(self.body(x))
+
+
 # [end: model]
 
 
@@ -85,8 +87,10 @@ def main():
     if ctx.is_main:
         print(f"without find_unused_parameters: iteration {failed_at} raised RuntimeError:")
         print("  " + error.splitlines()[0][:200])
-        print(f"with it: head_b.grad is None; head_a used by rank 0 only, grad = rank 0's / {ctx.world_size}: "
-              f"{[round(v, 4) for v in grads['ddp']]} vs rank 0's own {[round(v, 4) for v in grads['rank 0 alone']]}")
+        print(
+            f"with it: head_b.grad is None; head_a used by rank 0 only, grad = rank 0's / {ctx.world_size}: "
+            f"{[round(v, 4) for v in grads['ddp']]} vs rank 0's own {[round(v, 4) for v in grads['rank 0 alone']]}"
+        )
     lessonlib.teardown()
 
 

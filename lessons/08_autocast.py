@@ -23,14 +23,27 @@ import torch.nn.functional as F
 import lessonlib
 
 LOW, F32 = "low", "float32"  # "low": the autocast dtype of that run (bfloat16 or float16)
-OPS = ["linear", "matmul", "relu", "exp", "sum", "softmax", "log_softmax", "layer_norm",
-       "low + float32", "mse_loss", "cross_entropy", "parameters", "gradients"]
+OPS = [
+    "linear",
+    "matmul",
+    "relu",
+    "exp",
+    "sum",
+    "softmax",
+    "log_softmax",
+    "layer_norm",
+    "low + float32",
+    "mse_loss",
+    "cross_entropy",
+    "parameters",
+    "gradients",
+]
 # What each device's autocast does to these ops when their input is a low-precision activation.
 # CPU: only the float32-list ops (the losses here) are lifted to float32; the rest keep the input's dtype.
 # CUDA: exp, sum, softmax, log_softmax and layer norm are on its float32 list as well.
 EXPECTED = {
-    "cpu": dict.fromkeys(OPS, LOW) | dict.fromkeys(
-        ["low + float32", "mse_loss", "cross_entropy", "parameters", "gradients"], F32),
+    "cpu": dict.fromkeys(OPS, LOW)
+    | dict.fromkeys(["low + float32", "mse_loss", "cross_entropy", "parameters", "gradients"], F32),
     "cuda": dict.fromkeys(OPS, F32) | dict.fromkeys(["linear", "matmul", "relu"], LOW),
 }
 
@@ -54,6 +67,8 @@ def probe(device, dtype):
     loss.backward()  # outside autocast: backward ops run in the dtype of their forward op anyway
     seen["parameters"], seen["gradients"] = linear.weight, linear.weight.grad
     return {op: str(t.dtype).removeprefix("torch.") for op, t in seen.items()}
+
+
 # [end: probe]
 
 
@@ -105,8 +120,13 @@ def main():
     ctx = lessonlib.setup(device="cpu")
     rank = ctx.rank
 
-    modes = [("cpu", None), ("cpu", torch.bfloat16), ("cpu", torch.float16),
-             ("cuda", torch.float16), ("cuda", torch.bfloat16)]
+    modes = [
+        ("cpu", None),
+        ("cpu", torch.bfloat16),
+        ("cpu", torch.float16),
+        ("cuda", torch.float16),
+        ("cuda", torch.bfloat16),
+    ]
     checked, skipped = [], []
     for device_type, dtype in modes:
         name = f"{device_type} {str(dtype).removeprefix('torch.')}" if dtype else "no autocast"
@@ -132,14 +152,26 @@ def main():
     assert "FutureWarning" in categories, f"rank {rank}: torch.cuda.amp.autocast did not warn: {categories}"
     enabled, scaler_warnings = old_scaler()  # disabled, without an error, where there is no GPU
     assert "FutureWarning" in scaler_warnings and enabled == torch.cuda.is_available(), f"rank {rank}: {enabled}"
-    lessonlib.report("traps", {"this thread": str(here), "new thread": str(there), "nested enabled=False": str(off),
-                               "torch.cuda.amp.autocast on CPU tensors": str(old_dtype),
-                               "warnings": sorted(categories), "torch.cuda.amp.GradScaler() enabled": enabled,
-                               "GradScaler warnings": sorted(scaler_warnings)})
-    print(f"rank {rank}: dtype table as stated for {', '.join(checked)}"
-          + (f"; skipped {', '.join(skipped)} (no GPU for this rank)" if skipped else ""))
-    print(f"rank {rank}: autocast is per thread (a new thread runs {there}); torch.cuda.amp.autocast on CPU "
-          f"tensors: {old_dtype}; torch.cuda.amp.GradScaler() enabled: {enabled}")
+    lessonlib.report(
+        "traps",
+        {
+            "this thread": str(here),
+            "new thread": str(there),
+            "nested enabled=False": str(off),
+            "torch.cuda.amp.autocast on CPU tensors": str(old_dtype),
+            "warnings": sorted(categories),
+            "torch.cuda.amp.GradScaler() enabled": enabled,
+            "GradScaler warnings": sorted(scaler_warnings),
+        },
+    )
+    print(
+        f"rank {rank}: dtype table as stated for {', '.join(checked)}"
+        + (f"; skipped {', '.join(skipped)} (no GPU for this rank)" if skipped else "")
+    )
+    print(
+        f"rank {rank}: autocast is per thread (a new thread runs {there}); torch.cuda.amp.autocast on CPU "
+        f"tensors: {old_dtype}; torch.cuda.amp.GradScaler() enabled: {enabled}"
+    )
     lessonlib.teardown()
 
 

@@ -44,6 +44,8 @@ class Net(torch.nn.Module):
         with torch.autocast("cpu", dtype=torch.float16):
             out = self.layers(x)
         return out.float() if self.upcast else out  # float16 out would make the caller's loss float16
+
+
 # [end: inside_forward]
 
 
@@ -59,6 +61,8 @@ def amp_step(ddp, opt, scaler, x, y):
     scaler.step(opt)  # skipped when any gradient is inf or NaN: the same decision on every rank
     scaler.update()
     return loss, finite
+
+
 # [end: ddp_step]
 
 
@@ -102,10 +106,21 @@ def main():
         before, scale = flat_params(ddp.module), scaler.get_scale()
         loss, finite = amp_step(ddp, opt, scaler, *batch(step, rank, bad=step == args.bad_step and rank == last))
         moved = not torch.equal(before, flat_params(ddp.module))
-        print(f"step {step}: local loss {loss.item():9.4g}   gradients finite: {finite!s:5}   "
-              f"step taken: {moved!s:5}   scale {scale:g} -> {scaler.get_scale():g}")
-        lessonlib.report("steps", {"step": step, "local loss": loss.item(), "gradients finite": finite,
-                                   "step taken": moved, "scale": scale, "scale after": scaler.get_scale()})
+        print(
+            f"step {step}: local loss {loss.item():9.4g}   gradients finite: {finite!s:5}   "
+            f"step taken: {moved!s:5}   scale {scale:g} -> {scaler.get_scale():g}"
+        )
+        lessonlib.report(
+            "steps",
+            {
+                "step": step,
+                "local loss": loss.item(),
+                "gradients finite": finite,
+                "step taken": moved,
+                "scale": scale,
+                "scale after": scaler.get_scale(),
+            },
+        )
         if step == args.bad_step:
             assert rank == last or loss < 1e3, f"rank {rank}: an ordinary batch gave loss {loss.item()}"
             assert not finite and not moved, f"rank {rank}: step {step}: finite {finite}, stepped {moved}"
@@ -136,10 +151,14 @@ def main():
 
     loss_dtype = placement(rank)
     if ctx.is_main:
-        print(f"every rank ({ctx.world_size}) skipped step {args.bad_step} (an overflow on rank {last} only); "
-              f"parameters and scalers equal on every rank at every step")
-        print(f"checkpoint: scale {restored.get_scale():g} and growth tracker "
-              f"{restored.state_dict()['_growth_tracker']} restored (a fresh scaler starts at {fresh:g})")
+        print(
+            f"every rank ({ctx.world_size}) skipped step {args.bad_step} (an overflow on rank {last} only); "
+            f"parameters and scalers equal on every rank at every step"
+        )
+        print(
+            f"checkpoint: scale {restored.get_scale():g} and growth tracker "
+            f"{restored.state_dict()['_growth_tracker']} restored (a fresh scaler starts at {fresh:g})"
+        )
         print(f"autocast inside forward: same gradients as around the call; without .float() the loss is {loss_dtype}")
     lessonlib.teardown()
 

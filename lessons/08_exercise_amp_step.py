@@ -32,8 +32,11 @@ STEPS, BAD_STEP, MAX_NORM, TOL = 6, 2, 0.5, 1e-6
 def setup_copy():
     torch.manual_seed(0)
     ddp = DDP(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)))
-    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), torch.amp.GradScaler("cpu", init_scale=2.0**10,
-                                                                                   growth_interval=2)
+    return (
+        ddp,
+        torch.optim.SGD(ddp.parameters(), lr=0.05),
+        torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2),
+    )
 
 
 def batch(step, rank, bad):
@@ -74,6 +77,8 @@ def amp_step(ddp, opt, scaler, x, y, max_norm):
     torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)
     scaler.step(opt)  # skipped if any rank overflowed: the all-reduced gradients hold an inf or NaN
     scaler.update()
+
+
 # [end: solution]
 
 
@@ -131,9 +136,14 @@ def unscaled_backward(ddp, opt, scaler, x, y, max_norm):
 
 
 def main():
-    run_checker(__doc__, verdict, amp_step, also_right=[backward_inside],
-                wrong=[clip_before_unscale, no_update, optimizer_step, unscaled_backward],
-                passed="matches the reference at every step, the skipped one included")
+    run_checker(
+        __doc__,
+        verdict,
+        amp_step,
+        also_right=[backward_inside],
+        wrong=[clip_before_unscale, no_update, optimizer_step, unscaled_backward],
+        passed="matches the reference at every step, the skipped one included",
+    )
 
 
 if __name__ == "__main__":

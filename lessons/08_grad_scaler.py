@@ -56,6 +56,8 @@ def tiny_gradients(device, weight=TINY):
         scaler.unscale_(opt)  # grads / 65536, in float32
         result["float16 + GradScaler" if use_scaler else "float16"] = grads(model).clone()
     return result
+
+
 # [end: underflow]
 
 
@@ -75,14 +77,17 @@ def train_step(model, opt, scaler, step, clip=None, clip_first=False):
     scaler.step(opt)  # skipped if any gradient is inf or NaN
     scaler.update()  # halve the scale after a skip; double it after growth_interval good steps
     return finite, norm
+
+
 # [end: dynamics]
 
 
 def dynamics(rank, steps, init_scale, interval=3):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_factor=2.0, backoff_factor=0.5,
-                                  growth_interval=interval)
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=init_scale, growth_factor=2.0, backoff_factor=0.5, growth_interval=interval
+    )
     good_in_a_row, rows = 0, []
     for step in range(steps):
         before, scale = [p.detach().clone() for p in model.parameters()], scaler.get_scale()
@@ -94,9 +99,19 @@ def dynamics(rank, steps, init_scale, interval=3):
         assert moved == finite, f"rank {rank}: step {step}: finite gradients {finite}, parameters moved {moved}"
         assert scaler.get_scale() == want, f"rank {rank}: step {step}: scale {scaler.get_scale()}, expected {want}"
         assert scaler.state_dict()["_growth_tracker"] == good_in_a_row, f"rank {rank}: step {step}: tracker"
-        rows.append(lessonlib.report("dynamics", {"step": step, "scale": scale, "gradients finite": finite,
-                                                  "step taken": moved, "scale after update": scaler.get_scale(),
-                                                  "growth tracker": good_in_a_row}))
+        rows.append(
+            lessonlib.report(
+                "dynamics",
+                {
+                    "step": step,
+                    "scale": scale,
+                    "gradients finite": finite,
+                    "step taken": moved,
+                    "scale after update": scaler.get_scale(),
+                    "growth tracker": good_in_a_row,
+                },
+            )
+        )
     return rows
 
 
@@ -113,8 +128,12 @@ def clipping(rank, scale=2.0**10, clip=0.5):
     assert norms[0] > clip, f"rank {rank}: the true norm {norms[0]} must exceed {clip} for clipping to act"
     assert norms[1] == scale * norms[0], f"rank {rank}: clipping first saw {norms[1]}, not {scale} x {norms[0]}"
     assert abs(updates[1] * scale / updates[0] - 1) < 1e-2, f"rank {rank}: updates {updates}"
-    return {"true norm": norms[0], "norm seen when clipping first": norms[1],
-            "update, unscale_ then clip": updates[0], "update, clip then unscale_": updates[1]}
+    return {
+        "true norm": norms[0],
+        "norm seen when clipping first": norms[1],
+        "update, unscale_ then clip": updates[0],
+        "update, clip then unscale_": updates[1],
+    }
 
 
 def unscale_twice():
@@ -159,11 +178,15 @@ def main():
     twice = lessonlib.report("unscale twice", unscale_twice())
     assert twice is not None, f"rank {rank}: a second unscale_ before update() raised nothing"
     skipped = [r["step"] for r in rows if not r["step taken"]]
-    print(f"rank {rank}: float16 gradients of the small loss: all zero unscaled, back with a GradScaler on "
-          f"{', '.join(d.type for d in devices)}")
+    print(
+        f"rank {rank}: float16 gradients of the small loss: all zero unscaled, back with a GradScaler on "
+        f"{', '.join(d.type for d in devices)}"
+    )
     print(f"rank {rank}: scale {rows[0]['scale']:g} -> {rows[-1]['scale after update']:g}, steps skipped: {skipped}")
-    print(f"rank {rank}: clip before unscale_ sees norm {clip['norm seen when clipping first']:.4g} "
-          f"(true {clip['true norm']:.4g}); a second unscale_ raises RuntimeError")
+    print(
+        f"rank {rank}: clip before unscale_ sees norm {clip['norm seen when clipping first']:.4g} "
+        f"(true {clip['true norm']:.4g}); a second unscale_ raises RuntimeError"
+    )
     lessonlib.teardown()
 
 

@@ -74,6 +74,8 @@ def saved_tensors(model, x, y, dtype):
             loss = F.mse_loss(model(x), y)
     loss.backward()
     return list(found.values())
+
+
 # [end: saved]
 
 
@@ -100,6 +102,8 @@ def median_times(width, batch, runs, device="cpu", sync=lambda: None, modes=MODE
             took = sum(step_time(model, x, y, dtype, sync) for _ in range(reps[mode]))
             times[mode].append(1e3 * took / reps[mode])
     return {mode: statistics.median(t) for mode, t in times.items()}
+
+
 # [end: timing]
 
 
@@ -112,10 +116,12 @@ def memory(ctx, width, batch, device="cpu", modes=MODES):
         low = [b for k, dt, b in saved[mode] if k == "activation" and dt == MODES[mode]]
         wide = [b for k, dt, b in saved[mode] if k == "activation" and dt == torch.float32]
         # The layers' activations, in order, at half the bytes; then the loss's float32 input and target.
-        assert low == [b // 2 for b in full[:len(low)]], f"rank {ctx.rank}: {mode} activations {low} vs {full}"
+        assert low == [b // 2 for b in full[: len(low)]], f"rank {ctx.rank}: {mode} activations {low} vs {full}"
         assert wide == [batch * width * 4] * 2, f"rank {ctx.rank}: {mode}: float32 activations {wide}"
-    return {mode: {kind: sum(b for k, _, b in s if k == kind) for kind in ("activation", "weight copy", "parameter")}
-            for mode, s in saved.items()}
+    return {
+        mode: {kind: sum(b for k, _, b in s if k == kind) for kind in ("activation", "weight copy", "parameter")}
+        for mode, s in saved.items()
+    }
 
 
 def main():
@@ -123,8 +129,12 @@ def main():
     parser.add_argument("--sizes", type=lessonlib.comma_list(size), default="128x32,256x512", help="WIDTHxBATCH,...")
     parser.add_argument("--runs", type=int, default=3, choices=range(1, 51), metavar="1..50")
     parser.add_argument("--cuda-size", type=size, default="4096x16384", help="WIDTHxBATCH on the GPU")
-    parser.add_argument("--dtype", default="both", choices=["both", "bfloat16", "float16"],
-                        help="the autocast dtype(s) measured against float32 (default: both)")
+    parser.add_argument(
+        "--dtype",
+        default="both",
+        choices=["both", "bfloat16", "float16"],
+        help="the autocast dtype(s) measured against float32 (default: both)",
+    )
     args = parser.parse_args()
     modes = {m: d for m, d in MODES.items() if m == "float32" or args.dtype in (m, "both")}
     ctx = lessonlib.setup(device="cpu")
@@ -133,8 +143,14 @@ def main():
         mem = memory(ctx, width, batch, modes=modes)
         lessonlib.report("memory", {"device": "cpu", "width": width, "batch": batch, "bytes": mem})
     if ctx.is_main:
-        lessonlib.report("cpu", {"flags": cpu_flags(), "capability": torch.backends.cpu.get_cpu_capability(),
-                                 "threads": torch.get_num_threads()})
+        lessonlib.report(
+            "cpu",
+            {
+                "flags": cpu_flags(),
+                "capability": torch.backends.cpu.get_cpu_capability(),
+                "threads": torch.get_num_threads(),
+            },
+        )
         for width, batch in args.sizes:
             ms = median_times(width, batch, args.runs, modes=modes)
             lessonlib.report("time", {"device": "cpu", "width": width, "batch": batch, "ms": ms})
@@ -154,10 +170,25 @@ def main():
                 loss.backward()
                 peak[mode] = torch.cuda.max_memory_allocated(device) - base
                 del model, x, loss
-            lessonlib.report("time", {"device": "cuda", "width": width, "batch": batch, "ms": ms, "peak": peak,
-                                      "held after forward": held, "gpu": torch.cuda.get_device_name(device)})
-            print(f"cuda {width}x{batch}: " + ", ".join(f"{m} {ms[m]:.2f} ms, {held[m] / 2**20:.0f} MiB held after "
-                                                        f"forward, peak {peak[m] / 2**20:.0f} MiB" for m in modes))
+            lessonlib.report(
+                "time",
+                {
+                    "device": "cuda",
+                    "width": width,
+                    "batch": batch,
+                    "ms": ms,
+                    "peak": peak,
+                    "held after forward": held,
+                    "gpu": torch.cuda.get_device_name(device),
+                },
+            )
+            print(
+                f"cuda {width}x{batch}: "
+                + ", ".join(
+                    f"{m} {ms[m]:.2f} ms, {held[m] / 2**20:.0f} MiB held after forward, peak {peak[m] / 2**20:.0f} MiB"
+                    for m in modes
+                )
+            )
         else:
             lessonlib.report("time", {"device": "cuda", "skipped": "no GPU on this machine"})
             print("cuda: skipped (no GPU on this machine)")

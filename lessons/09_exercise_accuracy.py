@@ -43,7 +43,7 @@ def cases(ctx):
         sampler = DistributedSampler(range(n), shuffle=True, seed=n)
         yield n, f"DistributedSampler, {n} items", torch.tensor(list(sampler), dtype=torch.long)
     for n in (101, 2):
-        yield n, f"unpadded shares indices[r::W], {n} items", torch.arange(n)[ctx.rank::ctx.world_size]
+        yield n, f"unpadded shares indices[r::W], {n} items", torch.arange(n)[ctx.rank :: ctx.world_size]
 
 
 def verdict(fn, ctx):
@@ -67,6 +67,8 @@ def global_accuracy(indices, correct):
     # One entry per index: a padding duplicate carries the same answer as its original.
     unique = dict(pair for share in everyone for pair in share)
     return sum(unique.values()) / len(unique)
+
+
 # [end: solution]
 
 
@@ -95,8 +97,9 @@ def local_only(indices, correct):
 
 def main():
     wrong = [keeps_duplicates, mean_of_means, dedupes_locally, local_only]  # one rank: no padding, nobody to weigh
-    run_checker(__doc__, verdict, global_accuracy, wrong, right_alone=wrong,
-                passed="gives one process's accuracy on every case")
+    run_checker(
+        __doc__, verdict, global_accuracy, wrong, right_alone=wrong, passed="gives one process's accuracy on every case"
+    )
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ def is_padding(sampler, dataset_len):
     w, r = sampler.num_replicas, sampler.rank
     positions = torch.arange(sampler.num_samples) * w + r  # where each item sits in the padded list
     return positions >= dataset_len  # total_size - len(dataset) slots at the end are the padding
+
+
 # [end: positions]
 
 
@@ -57,6 +59,8 @@ def all_gather_pairs(idx, preds):
     out = [torch.empty_like(padded) for _ in range(w)]
     dist.all_gather(out, padded)
     return torch.cat([t[: int(k)] for t, k in zip(out, lengths)])
+
+
 # [end: pad_and_lengths]
 
 
@@ -69,13 +73,21 @@ def by_index(pairs, n):
         preds[i] = p
     assert (preds >= 0).all(), f"items never predicted: {(preds < 0).nonzero().flatten().tolist()}"
     return preds
+
+
 # [end: dedupe]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--size", type=int, default=101, choices=range(1, 100001), metavar="1..100000",
-                        help="items (default 101, a prime: no world size divides it)")
+    parser.add_argument(
+        "--size",
+        type=int,
+        default=101,
+        choices=range(1, 100001),
+        metavar="1..100000",
+        help="items (default 101, a prime: no world size divides it)",
+    )
     args = parser.parse_args()
     ctx = lessonlib.setup(device="cpu")
     n, r, w = args.size, ctx.rank, ctx.world_size
@@ -117,7 +129,7 @@ def main():
     dist.gather_object(list(zip(idx.tolist(), preds.tolist())), at_root, dst=0)
     if ctx.is_main:  # the pairs are on rank 0 alone
         from_root = by_index([pair for share in at_root for pair in share], n)
-    # [end: objects]
+        # [end: objects]
         assert torch.equal(from_root, all_preds), "rank 0: gather_object + de-duplication != one process"
     else:
         assert at_root is None, f"rank {r}: gather_object gave a non-destination rank {at_root}"
@@ -127,14 +139,23 @@ def main():
     assert by_position == truth, f"rank {r}: dropping padding by position gave {by_position}, truth {truth}"
     lessonlib.report("share", {"indices": idx.tolist(), "padding": pad.tolist(), "kept": int((~pad).sum())})
     if ctx.is_main:
-        rows = [{"method": "one process", "items counted": n, "accuracy": truth},
-                {"method": "(sum, count) over DistributedSampler shares", "items counted": total,
-                 "accuracy": padded_acc},
-                {"method": "padding dropped by position", "items counted": int(kept[1]), "accuracy": by_position}]
-        rows += [{"method": f"{name}, de-duplicated by index", "items counted": n,
-                  "accuracy": (got == labels).sum().item() / n}
-                 for name, got in (("all_gather padded + lengths", from_tensors),
-                                   ("all_gather_object", from_objects), ("gather_object to rank 0", from_root))]
+        rows = [
+            {"method": "one process", "items counted": n, "accuracy": truth},
+            {"method": "(sum, count) over DistributedSampler shares", "items counted": total, "accuracy": padded_acc},
+            {"method": "padding dropped by position", "items counted": int(kept[1]), "accuracy": by_position},
+        ]
+        rows += [
+            {
+                "method": f"{name}, de-duplicated by index",
+                "items counted": n,
+                "accuracy": (got == labels).sum().item() / n,
+            }
+            for name, got in (
+                ("all_gather padded + lengths", from_tensors),
+                ("all_gather_object", from_objects),
+                ("gather_object to rank 0", from_root),
+            )
+        ]
         lessonlib.report("methods", rows)
         dups = padded_list[n:].tolist()
         print(f"{n} items, {total} slots on {w} rank(s): padding duplicates of items {dups}")

@@ -42,6 +42,8 @@ def test(correct, group=None):
     if dist.get_rank() == 0:
         return totals[0].item() / totals[1].item()
     return None
+
+
 # [end: test]
 
 
@@ -57,15 +59,20 @@ def who_holds(ctx, mine, expected):
     everyone = mine.clone()
     dist.all_reduce(everyone)
     assert everyone.tolist() == expected, f"rank {r}: all_reduce left {everyone.tolist()}, expected {expected}"
-    return {"rank": r, "own counts": mine.tolist(), "after reduce(dst=0)": reduced.tolist(),
-            "after all_reduce": everyone.tolist()}
+    return {
+        "rank": r,
+        "own counts": mine.tolist(),
+        "after reduce(dst=0)": reduced.tolist(),
+        "after all_reduce": everyone.tolist(),
+    }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--size", type=int, default=101, choices=range(1, 100001), metavar="1..100000")
-    parser.add_argument("--bug-timeout", type=float, default=3.0,
-                        help="seconds the bounded group waits in the pitfall before it raises")
+    parser.add_argument(
+        "--bug-timeout", type=float, default=3.0, help="seconds the bounded group waits in the pitfall before it raises"
+    )
     args = parser.parse_args()
     ctx = lessonlib.setup(device="cpu")
     r, w, n = ctx.rank, ctx.world_size, args.size
@@ -87,7 +94,7 @@ def main():
         except RuntimeError as e:
             outcome = {"returned": None, "error": str(e).splitlines()[0]}
         outcome["seconds"] = round(time.monotonic() - start, 2)
-    # [end: main_only]
+        # [end: main_only]
         if w > 1:
             assert outcome["error"] is not None, f"rank 0: test() on rank 0 alone returned {outcome}"
         else:  # alone in the world, rank 0 has nobody to wait for

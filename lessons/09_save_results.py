@@ -39,8 +39,10 @@ def classifier(n, classes=4, seed=0):
 def results(logits, labels, idx):
     """One record per item: what an inference pass would keep."""
     loss = F.cross_entropy(logits[idx], labels[idx], reduction="none")
-    return [{"index": i, "pred": p, "label": y, "loss": lo} for i, p, y, lo in
-            zip(idx.tolist(), logits[idx].argmax(1).tolist(), labels[idx].tolist(), loss.tolist())]
+    return [
+        {"index": i, "pred": p, "label": y, "loss": lo}
+        for i, p, y, lo in zip(idx.tolist(), logits[idx].argmax(1).tolist(), labels[idx].tolist(), loss.tolist())
+    ]
 
 
 # [start: shared_folder]
@@ -52,6 +54,8 @@ def shared_folder(ctx, out_dir=None):
         os.makedirs(box[0], exist_ok=True)
     dist.broadcast_object_list(box, src=0)  # every rank, or the others wait here
     return box[0]
+
+
 # [end: shared_folder]
 
 
@@ -74,6 +78,8 @@ def merge(folder, world_size):
     with open(os.path.join(folder, "predictions.jsonl"), "w") as f:
         f.writelines(json.dumps(rec) + "\n" for rec in out)
     return out
+
+
 # [end: save_and_merge]
 
 
@@ -97,7 +103,7 @@ def main():
         dist.barrier()  # every rank's file is closed before rank 0 reads any
         if ctx.is_main:
             merged = merge(folder, w)
-        # [end: run]
+            # [end: run]
             assert merged == reference, "rank 0: the merged file differs from one process"
             with open(os.path.join(folder, "predictions.jsonl")) as f:
                 assert [json.loads(line) for line in f] == reference, "rank 0: predictions.jsonl != one process"
@@ -106,10 +112,19 @@ def main():
                 with open(os.path.join(folder, f"rank{k}.jsonl")) as f:
                     lines[f"rank{k}.jsonl"] = sum(1 for _ in f)
             assert sum(lines.values()) == sampler.total_size, f"rank 0: {lines} lines, {sampler.total_size} slots"
-            lessonlib.report("files", {"folder": folder, "lines per file": lines, "merged": len(merged),
-                                       "duplicates removed": sampler.total_size - len(merged)})
-            print(f"rank 0: {lines} -> predictions.jsonl with {len(merged)} items "
-                  f"({sampler.total_size - len(merged)} duplicate(s) removed), equal to one process")
+            lessonlib.report(
+                "files",
+                {
+                    "folder": folder,
+                    "lines per file": lines,
+                    "merged": len(merged),
+                    "duplicates removed": sampler.total_size - len(merged),
+                },
+            )
+            print(
+                f"rank 0: {lines} -> predictions.jsonl with {len(merged)} items "
+                f"({sampler.total_size - len(merged)} duplicate(s) removed), equal to one process"
+            )
     finally:
         if ctx.is_main:  # only rank 0 deletes, and only after it has read everything
             for name in written:

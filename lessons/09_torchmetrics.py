@@ -59,14 +59,20 @@ def evaluate(logits, labels, batches, skip=None, sync=True, average="micro"):
         acc.update(out, y)
         loss.update(F.cross_entropy(out, y, reduction="none"))  # one value per item: weighted right
     return acc.compute().item(), loss.compute().item()  # collectives when sync: call on every rank
+
+
 # [end: metrics]
 
 
 def by_hand(logits, labels, idx):
     """(sum, count) all-reduced over every rank's idx: accuracy and mean loss."""
-    totals = torch.stack([(logits[idx].argmax(1) == labels[idx]).double().sum(),
-                          F.cross_entropy(logits[idx], labels[idx], reduction="sum"),
-                          torch.tensor(float(len(idx)), dtype=torch.float64)])
+    totals = torch.stack(
+        [
+            (logits[idx].argmax(1) == labels[idx]).double().sum(),
+            F.cross_entropy(logits[idx], labels[idx], reduction="sum"),
+            torch.tensor(float(len(idx)), dtype=torch.float64),
+        ]
+    )
     dist.all_reduce(totals)
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
@@ -88,11 +94,12 @@ def main():
         "torchmetrics, synced": evaluate(logits, labels, batches),
         "by hand, (sum, count)": by_hand(logits, labels, idx),
         "torchmetrics, sync_on_compute=False": evaluate(logits, labels, batches, sync=False),
-        "this rank's share, by hand": ((logits[idx].argmax(1) == labels[idx]).double().mean().item(),
-                                       F.cross_entropy(logits[idx], labels[idx]).item()),
+        "this rank's share, by hand": (
+            (logits[idx].argmax(1) == labels[idx]).double().mean().item(),
+            F.cross_entropy(logits[idx], labels[idx]).item(),
+        ),
         "torchmetrics, padding skipped": evaluate(logits, labels, batches, skip=pad),
-        "torchmetrics, padding skipped, average='macro'": evaluate(logits, labels, batches, skip=pad,
-                                                                   average="macro"),
+        "torchmetrics, padding skipped, average='macro'": evaluate(logits, labels, batches, skip=pad, average="macro"),
     }
     # The defaults this lesson overrides: average="macro" (the mean over classes of each class's
     # accuracy, another number than correct / all) and float32 states for MeanMetric.

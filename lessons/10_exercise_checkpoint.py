@@ -103,8 +103,10 @@ def read_back(path, epoch, ddp, opt, rank):
     except Exception as e:
         return f"rank {rank}: after save_checkpoint returned, torch.load failed: {str(e)[:300]}"
     if state.get("epoch") != epoch:
-        return (f"rank {rank}: save_checkpoint(epoch={epoch}) returned while the file held epoch "
-                f"{state.get('epoch')}: rank 0 had not finished; add dist.barrier() after its save")
+        return (
+            f"rank {rank}: save_checkpoint(epoch={epoch}) returned while the file held epoch "
+            f"{state.get('epoch')}: rank 0 had not finished; add dist.barrier() after its save"
+        )
     return matches(state, ddp, opt, rank)
 
 
@@ -121,8 +123,10 @@ def check_save(fn, ctx, folder):
         return f"rank {rank} wrote a checkpoint too: save on rank 0 only, the replicas are equal"
     if rank == 0 and probe.calls[-1:] != [1]:
         held = probe.calls[-1] if probe.calls else "nothing saved through torch.save"
-        return (f"while rank 0 wrote epoch 2, the checkpoint's path held {held}, not epoch 1: write a "
-                "temporary file in the same folder, then os.replace it onto the path")
+        return (
+            f"while rank 0 wrote epoch 2, the checkpoint's path held {held}, not epoch 1: write a "
+            "temporary file in the same folder, then os.replace it onto the path"
+        )
     if rank == 0 and os.stat(path).st_ino == inode:
         return "the checkpoint was rewritten in place: write a temporary file, then os.replace it onto the path"
     if rank == 0 and sorted(os.listdir(folder)) != ["checkpoint.pt"]:
@@ -184,11 +188,14 @@ def load_checkpoint(path, ddp, opt):
     ddp.module.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])  # DDP broadcasts none of this
     return state["epoch"]
+
+
 # [end: solution]
 
 
 def saver(prefix=False, in_place=False, every_rank=False, barrier=True):
     """A save_checkpoint with the mistakes that are switched on."""
+
     def save(path, ddp, opt, epoch):
         if every_rank or dist.get_rank() == 0:
             state = {"model": (ddp if prefix else ddp.module).state_dict(), "opt": opt.state_dict(), "epoch": epoch}
@@ -198,23 +205,31 @@ def saver(prefix=False, in_place=False, every_rank=False, barrier=True):
                 os.replace(tmp, path)
         if barrier:
             dist.barrier()
+
     return save
 
 
 def loader(rank0_only=False, map_location="cpu"):
     """A load_checkpoint with the mistakes that are switched on."""
+
     def load(path, ddp, opt):
         state = torch.load(path, map_location=map_location)
         if not rank0_only or dist.get_rank() == 0:
             ddp.module.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
         return state["epoch"]
+
     return load
 
 
-WRONG = {"ddp.state_dict()": saver(prefix=True), "torch.save onto the path": saver(in_place=True),
-         "every rank writes": saver(every_rank=True), "no barrier": saver(barrier=False),
-         "rank 0 alone loads": loader(rank0_only=True), "no map_location": loader(map_location=None)}
+WRONG = {
+    "ddp.state_dict()": saver(prefix=True),
+    "torch.save onto the path": saver(in_place=True),
+    "every rank writes": saver(every_rank=True),
+    "no barrier": saver(barrier=False),
+    "rank 0 alone loads": loader(rank0_only=True),
+    "no map_location": loader(map_location=None),
+}
 ONE_RANK_CANNOT = {"every rank writes", "no barrier", "rank 0 alone loads"}  # mistakes only with others
 
 
@@ -222,8 +237,15 @@ def main():
     parser = checker_options(__doc__, "save_checkpoint")  # --function load_checkpoint checks loading
     parser.add_argument("--dir", help="where to make the checkpoint folder (a shared file system with several nodes)")
     args = parser.parse_args()
-    run_checker(__doc__, lambda fn, ctx: verdict(fn, ctx, args.dir), [save_checkpoint, load_checkpoint], WRONG,
-                right_alone=ONE_RANK_CANNOT, passed="passes every check", args=args)
+    run_checker(
+        __doc__,
+        lambda fn, ctx: verdict(fn, ctx, args.dir),
+        [save_checkpoint, load_checkpoint],
+        WRONG,
+        right_alone=ONE_RANK_CANNOT,
+        passed="passes every check",
+        args=args,
+    )
 
 
 if __name__ == "__main__":

@@ -30,10 +30,16 @@ from lessonlib.exercises import load_function
 from lessonlib.training import flat_params, gather, global_batch, mlp, my_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-atomic_save, shared_folder = (load_function(os.path.join(HERE, "10_save.py"), n) for n in ("atomic_save", "shared_folder"))
+atomic_save, shared_folder = (
+    load_function(os.path.join(HERE, "10_save.py"), n) for n in ("atomic_save", "shared_folder")
+)
 ROWS = 4  # per rank and step
-CASES = ("pretrained, rank 0 loads before DDP(model)", "pretrained, rank 0 loads after DDP(model)",
-         "resume, rank 0 loads before DDP(model)", "resume, every rank loads")
+CASES = (
+    "pretrained, rank 0 loads before DDP(model)",
+    "pretrained, rank 0 loads after DDP(model)",
+    "resume, rank 0 loads before DDP(model)",
+    "resume, every rank loads",
+)
 
 
 def spread(ddp):
@@ -76,8 +82,13 @@ def case(name, ctx, path, steps):
     at_start, loaded_momentum = spread(ddp), bool(opt.state)
     for i in range(steps):
         step(ddp, opt, 10 + i, ROWS * ctx.world_size, my_rows([ROWS] * ctx.world_size, ctx.rank))
-    return {"case": name, "gap at start": at_start, "gap after steps": spread(ddp), "steps": steps,
-            "momentum loaded on this rank": loaded_momentum}
+    return {
+        "case": name,
+        "gap at start": at_start,
+        "gap after steps": spread(ddp),
+        "steps": steps,
+        "momentum loaded on this rank": loaded_momentum,
+    }
 
 
 def no_barrier(ctx, path):
@@ -108,6 +119,8 @@ def save_as_if_from_gpu(obj, path):
         atomic_save(obj, path)
     finally:
         FROM_GPU["on"] = False
+
+
 # [end: as_if_from_gpu]
 
 
@@ -136,8 +149,10 @@ def gpu_file(ctx, folder):
         w = torch.load(path)["w"]
         row["MiB on GPU 0, copy held"] = torch.cuda.memory_allocated(0) / 2**20
         del w  # freed, but the caching allocator keeps the block for this process
-        row["MiB on GPU 0, freed: allocated, reserved"] = [torch.cuda.memory_allocated(0) / 2**20,
-                                                         torch.cuda.memory_reserved(0) / 2**20]
+        row["MiB on GPU 0, freed: allocated, reserved"] = [
+            torch.cuda.memory_allocated(0) / 2**20,
+            torch.cuda.memory_reserved(0) / 2**20,
+        ]
         assert row["MiB on GPU 0, copy held"] >= 1 and row["MiB on GPU 0, freed: allocated, reserved"][1] >= 1, row
     else:
         assert "Attempting to deserialize object on a CUDA device" in row["no map_location"], row
@@ -171,8 +186,10 @@ def main():
         where = lessonlib.report("map_location", gpu_file(ctx, folder))
         if ctx.is_main:
             for row in rows.values():
-                print(f"{row['case']:43} largest gap to rank 0: at start {row['gap at start']:.1e}, "
-                      f"after {row['steps']} steps {row['gap after steps']:.1e}")
+                print(
+                    f"{row['case']:43} largest gap to rank 0: at start {row['gap at start']:.1e}, "
+                    f"after {row['steps']} steps {row['gap after steps']:.1e}"
+                )
             print(f"no barrier: epochs read by rank: {read}")
             print("without map_location: " + "; ".join(f"rank {w['rank']}: {w['no map_location'][:60]}" for w in where))
     lessonlib.teardown()

@@ -33,9 +33,11 @@ from lessonlib.exercises import load_function
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 build, warm_up = (load_function(os.path.join(HERE, "04_resume.py"), n) for n in ("build", "warm_up"))
-atomic_save, shared_folder = (load_function(os.path.join(HERE, "10_save.py"), n) for n in ("atomic_save", "shared_folder"))
+atomic_save, shared_folder = (
+    load_function(os.path.join(HERE, "10_save.py"), n) for n in ("atomic_save", "shared_folder")
+)
 FORGET = ("nothing", "optimizer state", "scaler state", "sampler epoch", "autocast in warm_up")
-INIT_SCALE = 2.0 ** 16  # GradScaler's default
+INIT_SCALE = 2.0**16  # GradScaler's default
 
 
 def new_run(seed, ctx):
@@ -45,6 +47,7 @@ def new_run(seed, ctx):
     def watch(state, bucket):  # a comm hook (chapter 7) that notes each bucket's parameter order
         layout[bucket.index()] = [names[p] for p in bucket.parameters()]
         return default_hooks.allreduce_hook(None, bucket)
+
     run["model"].register_comm_hook(None, watch)
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=3)
     return {**run, "scaler": scaler, "step": 0, "layout": layout}
@@ -73,18 +76,33 @@ def train(run, epochs, log):
 # [start: save]
 def save(run, epoch, path, ctx):
     name, key, pos, has_gauss, cached = np.random.get_state()
-    rng = {"torch": torch.get_rng_state(), "random": random.getstate(), "loader": run["loader"].generator.get_state(),
-           # numpy's key as an int64 tensor: weights_only refuses ndarrays, and a uint32 tensor fails to
-           # unpickle after gather_object in this torch ("UntypedStorage has no attribute dtype")
-           "numpy": (name, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, cached)}
+    rng = {
+        "torch": torch.get_rng_state(),
+        "random": random.getstate(),
+        "loader": run["loader"].generator.get_state(),
+        # numpy's key as an int64 tensor: weights_only refuses ndarrays, and a uint32 tensor fails to
+        # unpickle after gather_object in this torch ("UntypedStorage has no attribute dtype")
+        "numpy": (name, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, cached),
+    }
     every = [None] * ctx.world_size if ctx.is_main else None
     dist.gather_object(rng, every, dst=0)  # each rank's own states, to the one writer
     if ctx.is_main:
-        atomic_save({"model": run["model"].module.state_dict(), "opt": run["opt"].state_dict(),
-                     "scaler": run["scaler"].state_dict(), "epoch": epoch, "step": run["step"],
-                     "sampler_seed": run["loader"].sampler.seed,
-                     "world_size": ctx.world_size, "rng": every}, path)
+        atomic_save(
+            {
+                "model": run["model"].module.state_dict(),
+                "opt": run["opt"].state_dict(),
+                "scaler": run["scaler"].state_dict(),
+                "epoch": epoch,
+                "step": run["step"],
+                "sampler_seed": run["loader"].sampler.seed,
+                "world_size": ctx.world_size,
+                "rng": every,
+            },
+            path,
+        )
     dist.barrier()  # the file is complete before anyone goes on (and, later, reads it)
+
+
 # [end: save]
 
 
@@ -92,8 +110,10 @@ def save(run, epoch, path, ctx):
 def load(run, path, ctx, forget="nothing"):
     state = torch.load(path, map_location="cpu")  # every rank reads the file
     if state["world_size"] != ctx.world_size:
-        raise ValueError(f"rank {ctx.rank}: {path} holds RNG states for {state['world_size']} ranks, "
-                         f"this run has {ctx.world_size}: resume at the same world size")
+        raise ValueError(
+            f"rank {ctx.rank}: {path} holds RNG states for {state['world_size']} ranks, "
+            f"this run has {ctx.world_size}: resume at the same world size"
+        )
     run["model"].module.load_state_dict(state["model"])
     if forget != "optimizer state":
         run["opt"].load_state_dict(state["opt"])  # momentum buffers
@@ -108,6 +128,8 @@ def load(run, path, ctx, forget="nothing"):
     run["loader"].generator.set_state(rng["loader"])
     run["step"] = state["step"]
     return state["epoch"]  # the next epoch to run
+
+
 # [end: load]
 
 
@@ -151,29 +173,44 @@ def main():
         for forget in FORGET:
             log = {"losses": straight["losses"][:at], "scales": straight["scales"][:at], "orders": []}
             run = resume(args.seed, ctx, path, forget, E, log)
-            rows[forget] = {"forgotten": forget, "losses": log["losses"], "scales": log["scales"], "steps": run["step"],
-                            "same curve": log["losses"] == straight["losses"], "same scales": log["scales"] == straight["scales"],
-                            "max weight difference": (weights(run) - final).abs().max().item(),
-                            "order of epoch": straight["orders"].index(log["orders"][0]),
-                            "bucket layout": run["layout"], "same bucket layout": run["layout"] == layout}
+            rows[forget] = {
+                "forgotten": forget,
+                "losses": log["losses"],
+                "scales": log["scales"],
+                "steps": run["step"],
+                "same curve": log["losses"] == straight["losses"],
+                "same scales": log["scales"] == straight["scales"],
+                "max weight difference": (weights(run) - final).abs().max().item(),
+                "order of epoch": straight["orders"].index(log["orders"][0]),
+                "bucket layout": run["layout"],
+                "same bucket layout": run["layout"] == layout,
+            }
         good, late = rows["nothing"], rows["autocast in warm_up"]
         assert good["same curve"] and good["max weight difference"] == 0, f"rank {r}: resume is not bitwise: {good}"
         assert good["same scales"] and good["steps"] == steps, f"rank {r}: the scaler or the step counter differ"
         for forget in FORGET[1:-1]:
             assert not rows[forget]["same curve"] and rows[forget]["max weight difference"] > 0, f"rank {r}: {forget}"
         assert rows["sampler epoch"]["order of epoch"] == 0 and good["order of epoch"] == k, f"rank {r}: sampler epoch"
-        assert good["same bucket layout"] and not late["same bucket layout"], f"rank {r}: {layout} {late['bucket layout']}"
+        assert good["same bucket layout"] and not late["same bucket layout"], (
+            f"rank {r}: {layout} {late['bucket layout']}"
+        )
         if ctx.world_size <= 2:  # a + b == b + a: the layout changes no bit
             assert late["max weight difference"] == 0, f"rank {r}: {late}"
-        lessonlib.report("straight", {**straight, "resumed at step": at, "epochs": E, "stop after": k, "bucket layout": layout})
+        lessonlib.report(
+            "straight", {**straight, "resumed at step": at, "epochs": E, "stop after": k, "bucket layout": layout}
+        )
         for row in rows.values():
             lessonlib.report("resumed", row)
         if ctx.is_main:
-            print(f"straight run: {E} epochs, {steps} steps, final loss {straight['losses'][-1]:.6f}, "
-                  f"scale {straight['scales'][-1]:g}; checkpoint after epoch {k} (step {at})")
+            print(
+                f"straight run: {E} epochs, {steps} steps, final loss {straight['losses'][-1]:.6f}, "
+                f"scale {straight['scales'][-1]:g}; checkpoint after epoch {k} (step {at})"
+            )
             for row in rows.values():
-                print(f"resumed, forgot {row['forgotten']:19}: same curve {str(row['same curve']):5} max weight "
-                      f"diff {row['max weight difference']:.1e}; first epoch ordered as epoch {row['order of epoch']}")
+                print(
+                    f"resumed, forgot {row['forgotten']:19}: same curve {str(row['same curve']):5} max weight "
+                    f"diff {row['max weight difference']:.1e}; first epoch ordered as epoch {row['order of epoch']}"
+                )
     lessonlib.teardown()
 
 

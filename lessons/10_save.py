@@ -56,6 +56,8 @@ def shared_folder(ctx, parent=None):
     finally:
         if ctx.is_main:
             shutil.rmtree(box[0], ignore_errors=True)
+
+
 # [end: folder]
 
 
@@ -72,6 +74,8 @@ def atomic_save(obj, path):
     except BaseException:
         os.remove(tmp)
         raise
+
+
 # [end: atomic_save]
 
 
@@ -99,8 +103,11 @@ def keys(ddp, folder):
     old = torch.load(path)["model"]
     consume_prefix_in_state_dict_if_present(old, "module.")  # repairs a file already saved with the prefix
     plain.load_state_dict(old)
-    return {"ddp.state_dict()": list(ddp.state_dict()), "ddp.module.state_dict()": list(ddp.module.state_dict()),
-            "error": error}
+    return {
+        "ddp.state_dict()": list(ddp.state_dict()),
+        "ddp.module.state_dict()": list(ddp.module.state_dict()),
+        "error": error,
+    }
 
 
 # [start: crash]
@@ -108,7 +115,7 @@ def crash_during_save(save, state, path, how):
     """Save `state` over `path` and fail half-way: the save raises, or the process is killed."""
     if how == "raises":
         try:
-            save({**state, "lr_schedule": lambda step: 0.9 ** step}, path)  # pickle cannot save a lambda
+            save({**state, "lr_schedule": lambda step: 0.9**step}, path)  # pickle cannot save a lambda
         except Exception as e:
             return f"{type(e).__name__}: {e}"
     with warnings.catch_warnings():  # Python 3.12+ warns about fork in a threaded process; the child
@@ -122,6 +129,8 @@ def crash_during_save(save, state, path, how):
         os._exit(0)  # not reached
     _, status = os.waitpid(pid, 0)
     return f"killed by {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status) else "finished"
+
+
 # [end: crash]
 
 
@@ -139,14 +148,23 @@ def crashes(ddp, folder):
                 found, error = None, f"{type(e).__name__}: {e}".split(". This is an internal")[0]
             others = sorted(set(os.listdir(sub)) - {"checkpoint.pt"})
             if save is naive_save:
-                assert found is None and "PytorchStreamReader failed" in error, f"{how}: naive save left {found} {error}"
+                assert found is None and "PytorchStreamReader failed" in error, (
+                    f"{how}: naive save left {found} {error}"
+                )
             else:
                 assert found == 1, f"{how}: after a failed atomic save, the checkpoint holds {found} {error}"
                 assert others == [] if how == "raises" else len(others) == 1, others  # a killed writer leaves its tmp
             assert ("pickle" in said) if how == "raises" else said == "killed by SIGXFSZ", said
-            rows.append({"write": save.__name__, "failure": how, "the save": said.split(" at 0x")[0],
-                         "file size": os.path.getsize(path), "torch.load": error or f"epoch {found}",
-                         "other files": ", ".join(f"{o} ({os.path.getsize(os.path.join(sub, o))} B)" for o in others)})
+            rows.append(
+                {
+                    "write": save.__name__,
+                    "failure": how,
+                    "the save": said.split(" at 0x")[0],
+                    "file size": os.path.getsize(path),
+                    "torch.load": error or f"epoch {found}",
+                    "other files": ", ".join(f"{o} ({os.path.getsize(os.path.join(sub, o))} B)" for o in others),
+                }
+            )
     return rows
 
 
@@ -185,7 +203,8 @@ def main():
             lessonlib.report("keys", keys(ddp, folder))
             for row in lessonlib.report("crashes", crashes(ddp, folder)):
                 print(f"{row['write']:11} {row['failure']:6}: torch.load then says {row['torch.load'][:70]}")
-            print(f"weights_only=True refuses {lessonlib.report('weights_only', weights_only(folder))['globals the file needs']}")
+            refused = lessonlib.report("weights_only", weights_only(folder))["globals the file needs"]
+            print(f"weights_only=True refuses {refused}")
     lessonlib.teardown()
 
 

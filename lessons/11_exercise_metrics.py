@@ -57,8 +57,7 @@ def verdict(fn, ctx):
             continue
         for name, g, w in zip(("mean loss", "accuracy"), got, expected(case, world_size)):
             if abs(g - w) > REL_TOL * abs(w):
-                problems.append(f"{case}: got {name} {g!r}, expected {w!r} "
-                                f"(relative error {abs(g - w) / abs(w):.1e})")
+                problems.append(f"{case}: got {name} {g!r}, expected {w!r} (relative error {abs(g - w) / abs(w):.1e})")
     return problems[0] if problems else None
 
 
@@ -68,6 +67,8 @@ def epoch_metrics(loss_sum, correct, count):
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every rank calls it, every rank gets the sums
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count
+
+
 # [end: solution]
 
 
@@ -92,13 +93,20 @@ def reduce_to_rank0(loss_sum, correct, count):
     totals = torch.tensor([loss_sum, correct, count], dtype=torch.float64)
     dist.reduce(totals, dst=0)  # only rank 0 holds the sums afterwards; elsewhere the buffer is not them
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
 # [end: wrong]
 
 
 def main():
-    run_checker(__doc__, verdict, epoch_metrics, wrong=[float32_totals, mean_of_means, no_reduce, reduce_to_rank0],
-                right_alone=[mean_of_means, no_reduce, reduce_to_rank0],  # right when one rank holds everything
-                passed="gives the exact mean loss and accuracy of all ranks")
+    run_checker(
+        __doc__,
+        verdict,
+        epoch_metrics,
+        wrong=[float32_totals, mean_of_means, no_reduce, reduce_to_rank0],
+        right_alone=[mean_of_means, no_reduce, reduce_to_rank0],  # right when one rank holds everything
+        passed="gives the exact mean loss and accuracy of all ranks",
+    )
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ def train_epoch(model, loader, opt, device, show_bar):
         loss_sum += loss.detach() * len(y)  # a sum and a count, so uneven batches weigh right
         count += len(y)
     return loss_sum.item(), count
+
+
 # [end: train_epoch]
 
 
@@ -98,7 +100,8 @@ def run(args):
         saved = torch.load(path, map_location=device)["model"]
         ours = model.state_dict()
         assert saved.keys() == ours.keys() and all(torch.equal(saved[k], ours[k]) for k in ours), (
-            "the checkpoint differs from the model")
+            "the checkpoint differs from the model"
+        )
     log.info(f"saved {path}; the model equals it")
 
 
@@ -114,8 +117,10 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     args = parser.parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # N copies would each train on everything, and race to save
-        parser.error(f"this script is one process, but WORLD_SIZE={os.environ['WORLD_SIZE']} (torchrun?): "
-                     "run it with python, or use lessons/11_spawn.py or lessons/11_torchrun.py for several ranks")
+        parser.error(
+            f"this script is one process, but WORLD_SIZE={os.environ['WORLD_SIZE']} (torchrun?): "
+            "run it with python, or use lessons/11_spawn.py or lessons/11_torchrun.py for several ranks"
+        )
     run(args)
 
 

@@ -85,9 +85,14 @@ def run(rank, world_size, port, args):
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.pg_timeout),  # a hang becomes an error
-                            device_id=device if device.type == "cuda" else None)  # NCCL: this rank's GPU
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=args.pg_timeout),  # a hang becomes an error
+        device_id=device if device.type == "cuda" else None,
+    )  # NCCL: this rank's GPU
     is_main = rank == 0
     log = get_logger(rank)
     torch.manual_seed(args.seed)  # the same starting weights on every rank (DDP broadcasts rank 0's anyway)
@@ -100,14 +105,17 @@ def run(rank, world_size, port, args):
     model = DDP(digits.small_cnn().to(device))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     torch.manual_seed(args.seed + rank)  # but each rank its own augmentation draws (chapter 4)
-    log.info(f"{args.dataset}: {len(train_set)} train, {len(test_set)} test; batch {args.batch_size} = "
-             f"{world_size} x {args.batch_size // world_size}; {backend} on {device}")
+    log.info(
+        f"{args.dataset}: {len(train_set)} train, {len(test_set)} test; batch {args.batch_size} = "
+        f"{world_size} x {args.batch_size // world_size}; {backend} on {device}"
+    )
 
     losses, start = [], time.perf_counter()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
-        loss_sum, count = reduce_sums(*train_epoch(model, train_loader, opt, device, is_main and sys.stderr.isatty()),
-                                      device=device)
+        loss_sum, count = reduce_sums(
+            *train_epoch(model, train_loader, opt, device, is_main and sys.stderr.isatty()), device=device
+        )
         losses.append(loss_sum / count)
         log.info(f"epoch {epoch + 1}/{args.epochs}: train loss {losses[-1]:.4f} over {count:.0f} samples")
     seconds = time.perf_counter() - start
@@ -127,7 +135,8 @@ def run(rank, world_size, port, args):
         saved = torch.load(path, map_location=device)["model"]
         ours = model.module.state_dict()
         assert saved.keys() == ours.keys() and all(torch.equal(saved[k], ours[k]) for k in ours), (
-            f"rank {rank}: the checkpoint differs from this rank's replica")
+            f"rank {rank}: the checkpoint differs from this rank's replica"
+        )
         dist.barrier()  # rank 0 removes its folder on leaving the block: not before everyone has read
     log.info(f"saved {path}; every rank's replica equals it")
     dist.destroy_process_group()

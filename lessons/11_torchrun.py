@@ -92,8 +92,13 @@ def run(args):
     train_set, test_set = digits.datasets(args.dataset, args.data_dir)
     sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed)
     loader_rng = torch.Generator().manual_seed(args.seed + rank)  # seeds the workers: rank-specific (chapter 4)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size // world_size, sampler=sampler,
-                              num_workers=args.workers, generator=loader_rng)
+    train_loader = DataLoader(
+        train_set,
+        batch_size=args.batch_size // world_size,
+        sampler=sampler,
+        num_workers=args.workers,
+        generator=loader_rng,
+    )
     shard = Subset(test_set, range(rank, len(test_set), world_size))  # no padding: each sample counted once
     test_loader = DataLoader(shard, batch_size=128)
     model = DDP(digits.small_cnn().to(device))
@@ -104,17 +109,20 @@ def run(args):
     scaler = torch.amp.GradScaler(device.type, enabled=device.type == "cuda")  # float16 needs loss scaling
     assert scaler.is_enabled() == (device.type == "cuda"), f"rank {rank}: GradScaler on {device.type}"
     # [end: amp]
-    log.info(f"{args.dataset}: {len(train_set)} train, {len(test_set)} test; batch {args.batch_size} = "
-             f"{world_size} x {args.batch_size // world_size}; {ctx.backend} on {device}; autocast {amp_dtype}")
+    log.info(
+        f"{args.dataset}: {len(train_set)} train, {len(test_set)} test; batch {args.batch_size} = "
+        f"{world_size} x {args.batch_size // world_size}; {ctx.backend} on {device}; autocast {amp_dtype}"
+    )
     if not scaler.is_enabled():
         log.info("GradScaler: skipped: no CUDA here; bfloat16 keeps float32's exponent range, nothing underflows")
 
     losses, start = [], time.perf_counter()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
-        loss_sum, count = reduce_sums(*train_epoch(model, train_loader, opt, scaler, amp_dtype, device,
-                                                  is_main and sys.stderr.isatty()),
-                                      device=device)
+        loss_sum, count = reduce_sums(
+            *train_epoch(model, train_loader, opt, scaler, amp_dtype, device, is_main and sys.stderr.isatty()),
+            device=device,
+        )
         losses.append(loss_sum / count)
         log.info(f"epoch {epoch + 1}/{args.epochs}: train loss {losses[-1]:.4f} over {count:.0f} samples")
     seconds = time.perf_counter() - start
@@ -129,21 +137,33 @@ def run(args):
         dist.broadcast_object_list(folder, src=0)  # every rank uses rank 0's folder
         path = args.save or os.path.join(folder[0], "ch11.pt")
         if is_main:  # one writer; model.module: the keys of the plain model, without "module."
-            digits.save_atomic({"model": model.module.state_dict(), "scaler": scaler.state_dict(),
-                                "epochs": args.epochs}, path)
+            digits.save_atomic(
+                {"model": model.module.state_dict(), "scaler": scaler.state_dict(), "epochs": args.epochs}, path
+            )
         dist.barrier()  # nobody reads the file before rank 0 has written all of it
         saved = torch.load(path, map_location=device)["model"]
         ours = model.module.state_dict()
         assert saved.keys() == ours.keys() and all(torch.equal(saved[k], ours[k]) for k in ours), (
-            f"rank {rank}: the checkpoint differs from this rank's replica")
+            f"rank {rank}: the checkpoint differs from this rank's replica"
+        )
         dist.barrier()  # rank 0 removes its folder on leaving the block: not before everyone has read
     log.info(f"saved {path}; every rank's replica equals it")
     if is_main:
-        lessonlib.report("result", {"script": "11_torchrun", "world size": world_size, "batch per rank":
-                                    args.batch_size // world_size, "losses": losses, "accuracy": accuracy,
-                                    "train seconds": seconds, "steps per epoch": len(train_loader),
-                                    "samples per epoch": count, "autocast": str(amp_dtype),
-                                    "GradScaler": scaler.is_enabled()})
+        lessonlib.report(
+            "result",
+            {
+                "script": "11_torchrun",
+                "world size": world_size,
+                "batch per rank": args.batch_size // world_size,
+                "losses": losses,
+                "accuracy": accuracy,
+                "train seconds": seconds,
+                "steps per epoch": len(train_loader),
+                "samples per epoch": count,
+                "autocast": str(amp_dtype),
+                "GradScaler": scaler.is_enabled(),
+            },
+        )
     lessonlib.teardown()  # dist.barrier(), then dist.destroy_process_group(): the pair of init_process_group
 
 

@@ -94,8 +94,7 @@ def no_leftover_processes():
     if leaked:
         text = "\n".join(_describe(p) for p in leaked)
         kill_processes(leaked)  # so the tests after this one start clean
-        pytest.fail(f"{len(leaked)} process(es) of a launch outlived the test (now killed):\n{text}",
-                    pytrace=False)
+        pytest.fail(f"{len(leaked)} process(es) of a launch outlived the test (now killed):\n{text}", pytrace=False)
 
 
 @pytest.fixture

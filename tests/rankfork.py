@@ -57,8 +57,10 @@ def context():
             else:
                 os.environ["PYTHONPATH"] = saved
         if probe.exitcode != 0:
-            raise RuntimeError(f"the rank fork server did not import {PRELOAD} (probe exit code {probe.exitcode}); "
-                               f"every rank would import torch itself")
+            raise RuntimeError(
+                f"the rank fork server did not import {PRELOAD} (probe exit code {probe.exitcode}); "
+                f"every rank would import torch itself"
+            )
         _context = ctx
     return _context
 
@@ -96,8 +98,11 @@ def _run_rank(script, args, cwd, env):
 
 def start_rank(script, args, cwd, env):
     """Start one rank; returns the multiprocessing.Process (its .pid leads a session of its own)."""
-    proc = context().Process(target=_run_rank, args=(str(script), [str(a) for a in args], str(cwd), dict(env)),
-                             name=f"rank {env.get('RANK')}")
+    proc = context().Process(
+        target=_run_rank,
+        args=(str(script), [str(a) for a in args], str(cwd), dict(env)),
+        name=f"rank {env.get('RANK')}",
+    )
     proc.start()
     return proc
 

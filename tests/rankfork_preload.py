@@ -9,12 +9,14 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402,F401
-import torch.distributed  # noqa: E402,F401
-import torch.nn.parallel  # noqa: E402,F401
+
 # Imported by the first optimizer or DDP step of every training lesson (1 to 4 CPU-s each), and by
 # torchmetrics (chapter 9), which also pulls in torchvision and scipy: pay once, not once per rank.
 import torch._dynamo  # noqa: E402,F401
+import torch.distributed  # noqa: E402,F401
+import torch.nn.parallel  # noqa: E402,F401
 import torchmetrics  # noqa: E402,F401
+
 # What the lessons import beyond torch: torchvision's transforms (the digits pipeline) and tqdm
 # (chapter 11). Third-party packages only: lessonlib is the course's own, and each rank imports what
 # the lesson imports of it, as a fresh `python` would, so a lesson that forgets `import

@@ -35,8 +35,9 @@ def tracked_notebooks():
     """Notebooks in git plus any on disk not yet added: found by pattern, never by a hand-kept list."""
     found = set((ROOT / "book").glob("*.ipynb"))
     try:
-        out = subprocess.run(["git", "ls-files", "book/*.ipynb"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=30, check=True).stdout.split()
+        out = subprocess.run(
+            ["git", "ls-files", "book/*.ipynb"], cwd=ROOT, capture_output=True, text=True, timeout=30, check=True
+        ).stdout.split()
         found.update(ROOT / p for p in out)
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
         pass
@@ -88,6 +89,7 @@ def test_every_chapter_is_in_the_toc():
 @dataclass
 class BookBuild:
     """What the book build did: which chapters executed (and in how long), which failed, the HTML."""
+
     notebooks: list
     jobs: int = 0
     execution_seconds: float = 0.0
@@ -151,24 +153,37 @@ def test_book_builds_and_executes_every_chapter(built_book, capsys):
 def test_a_failing_cell_is_named_with_its_notebook_and_rank(tmp_path):
     """A deliberately broken mini-book, executed as the course's is: the build log must say which
     notebook, which cell, which rank."""
-    (tmp_path / "_config.yml").write_text(textwrap.dedent("""
+    (tmp_path / "_config.yml").write_text(
+        textwrap.dedent("""
         title: broken
         only_build_toc_files: true
         execute: {execute_notebooks: cache, timeout: 120, allow_errors: false, run_in_temp: false}
         sphinx: {extra_extensions: [lessonlib.bookdeps],
                  config: {nb_execution_raise_on_error: true, nb_execution_show_tb: true}}
-    """))
+    """)
+    )
     book = tmp_path / "book"
     book.mkdir()
     (book / "_toc.yml").write_text("format: jb-book\nroot: index\nchapters:\n  - file: broken\n")
     (book / "index.md").write_text("# index\n")
-    cells = [{"cell_type": "markdown", "metadata": {}, "source": "# broken"},
-             {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": "import lessonlib"},
-             {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
-              "source": 'lessonlib.launch("lessons/01_launch.py", nproc=2, args=["--fail-rank", "1"], '
-                        'timeout=60, show="none").raise_for_status()'}]
-    nb = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                      "language": "python"}}, "nbformat": 4, "nbformat_minor": 5}
+    cells = [
+        {"cell_type": "markdown", "metadata": {}, "source": "# broken"},
+        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": "import lessonlib"},
+        {
+            "cell_type": "code",
+            "metadata": {},
+            "outputs": [],
+            "execution_count": None,
+            "source": 'lessonlib.launch("lessons/01_launch.py", nproc=2, args=["--fail-rank", "1"], '
+            'timeout=60, show="none").raise_for_status()',
+        },
+    ]
+    nb = {
+        "cells": cells,
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
     (book / "broken.ipynb").write_text(json.dumps(nb))
     rc, log = build_book(book, timeout=240)
     assert rc != 0, "a notebook with a failing cell must fail the build"

@@ -49,9 +49,17 @@ CHROMIUM = shutil.which("chromium")
 # Playwright adds its own (--headless among them); these keep Chromium off the network and the GPU.
 # No host name resolves but the local server's address: a request to any other host fails at once
 # (each is also recorded, and fails the test), where intercepting every request would slow every page.
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+]
 SCREENSHOTS = ROOT / "_build" / "screenshots"
 SEARCH_WORD = "all_reduce"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -64,6 +72,7 @@ pytestmark = [pytest.mark.xdist_group("book"), pytest.mark.timeout(BOOK_TEST_TIM
 
 
 # --------------------------------------------------------------------------- the server and the browser
+
 
 class QuietHandler(SimpleHTTPRequestHandler):
     def log_message(self, format, *args):  # one line per request would drown a failure's output
@@ -87,8 +96,10 @@ def serve(folder):
 @pytest.fixture(scope="module")
 def browser():
     if CHROMIUM is None:
-        pytest.skip("no chromium on PATH: the browser tests use Debian's (apt-get install chromium; "
-                    ".ci/run installs it when run as root) and never download one")
+        pytest.skip(
+            "no chromium on PATH: the browser tests use Debian's (apt-get install chromium; "
+            ".ci/run installs it when run as root) and never download one"
+        )
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, timeout=60_000)
         try:
@@ -100,8 +111,11 @@ def browser():
 @pytest.fixture(scope="module")
 def book_html(built_book):
     if not built_book.ok:
-        pytest.fail("the book did not build, so there are no pages to open: "
-                    "test_book_builds_and_executes_every_chapter says why", pytrace=False)
+        pytest.fail(
+            "the book did not build, so there are no pages to open: "
+            "test_book_builds_and_executes_every_chapter says why",
+            pytrace=False,
+        )
     return built_book.html
 
 
@@ -114,6 +128,7 @@ def site(book_html):
 @dataclass
 class Traffic:
     """What pages asked for and said: requests to other hosts, failed requests, console errors."""
+
     base: str
     foreign: list = field(default_factory=list)
     failed: list = field(default_factory=list)
@@ -129,6 +144,7 @@ def open_context(browser, base):
 def watch(page, traffic, label):
     """Record `page`'s console errors, uncaught exceptions, failed requests and requests to other
     hosts (which the browser cannot reach: CHROMIUM_FLAGS) under `label`."""
+
     def console(msg):
         if msg.type == "error":
             where = msg.location.get("url", "") if msg.location else ""
@@ -141,10 +157,14 @@ def watch(page, traffic, label):
     page.on("console", console)
     page.on("pageerror", lambda exc: traffic.errors.append(f"{label}: uncaught {exc}"))
     page.on("request", request)
-    page.on("requestfailed", lambda req: req.url.startswith(traffic.base) and traffic.failed.append(
-        f"{label}: {req.url} ({req.failure})"))
-    page.on("response", lambda resp: resp.status >= 400 and traffic.failed.append(
-        f"{label}: {resp.url} (HTTP {resp.status})"))
+    page.on(
+        "requestfailed",
+        lambda req: req.url.startswith(traffic.base) and traffic.failed.append(f"{label}: {req.url} ({req.failure})"),
+    )
+    page.on(
+        "response",
+        lambda resp: resp.status >= 400 and traffic.failed.append(f"{label}: {resp.url} (HTTP {resp.status})"),
+    )
 
 
 # --------------------------------------------------------------------------- what a page holds
@@ -214,8 +234,9 @@ def widget_views(page, wait_ms=WIDGET_WAIT_MS):
     if page.locator(f'script[type="{WIDGET_VIEW}"]').count() == 0:
         return []
     with contextlib.suppress(PlaywrightTimeout):  # the state below says which did not render
-        page.wait_for_function(f"(type) => ({WIDGET_VIEWS})(type).every(v => v.rendered)", arg=WIDGET_VIEW,
-                               timeout=wait_ms)
+        page.wait_for_function(
+            f"(type) => ({WIDGET_VIEWS})(type).every(v => v.rendered)", arg=WIDGET_VIEW, timeout=wait_ms
+        )
     return page.evaluate(WIDGET_VIEWS, WIDGET_VIEW)
 
 
@@ -283,12 +304,15 @@ def visit(book_html, site, browser):
             page.close()
     finally:
         context.close()
-    print(f"\nbrowser: {len(pages)} pages in {time.monotonic() - started:.1f} s (loading and looking "
-          f"{seconds['load']:.1f} s, axe {seconds['axe']:.1f} s)")
+    print(
+        f"\nbrowser: {len(pages)} pages in {time.monotonic() - started:.1f} s (loading and looking "
+        f"{seconds['load']:.1f} s, axe {seconds['axe']:.1f} s)"
+    )
     return pages, traffic
 
 
 # --------------------------------------------------------------------------- the checks
+
 
 def test_pages_log_no_console_errors(visit):
     _, traffic = visit
@@ -298,7 +322,8 @@ def test_pages_log_no_console_errors(visit):
 def test_pages_load_everything_from_the_local_server(visit):
     pages, traffic = visit
     assert not traffic.foreign, "requests to other hosts (the book must not need a CDN):\n" + "\n".join(
-        sorted(set(traffic.foreign)))
+        sorted(set(traffic.foreign))
+    )
     assert not traffic.failed, "failed requests:\n" + "\n".join(traffic.failed)
     broken = [f"{p.name}: {img['src']}" for p in pages.values() for img in p.facts["images"] if not img["ok"]]
     assert not broken, "images that did not load:\n" + "\n".join(broken)
@@ -366,36 +391,51 @@ def test_every_launch_chapter_shows_two_ranks_side_by_side(visit):
         good = []
         for run in pages[name].facts["runs"]:
             shown = [c for c in run["columns"] if c["shown"] and re.fullmatch(r"rank \d+", c["title"])]
-            side_by_side = len(shown) >= 2 and abs(shown[0]["top"] - shown[1]["top"]) < 2 and \
-                shown[1]["left"] > shown[0]["left"] and any(c["lines"] for c in shown)
+            side_by_side = (
+                len(shown) >= 2
+                and abs(shown[0]["top"] - shown[1]["top"]) < 2
+                and shown[1]["left"] > shown[0]["left"]
+                and any(c["lines"] for c in shown)
+            )
             if side_by_side:
                 good.append(run)
             ranks = [c for c in run["columns"] if re.fullmatch(r"rank \d+", c["title"])]  # toggled ones too
             blank += [f"{name}: {run['head']}: {c['title']}" for c in ranks if not c["lines"] and not c["quiet"]]
         if not good:
-            missing.append(f"{name}: {len(pages[name].facts['runs'])} lessonlib-run block(s), none with two "
-                           f"visible rank columns side by side and output in one: {pages[name].facts['runs'][:2]}")
+            missing.append(
+                f"{name}: {len(pages[name].facts['runs'])} lessonlib-run block(s), none with two "
+                f"visible rank columns side by side and output in one: {pages[name].facts['runs'][:2]}"
+            )
     assert not missing, "\n".join(missing)
     assert not blank, "rank columns left blank, without saying that the rank printed nothing:\n" + "\n".join(blank)
 
 
 def test_embedded_widget_views_render(visit):
     pages, _ = visit
-    dead = [f"{p.name}: model {v['model']} (beside its script: {v['beside']})"
-            for p in pages.values() for v in p.widgets if not v["rendered"]]
+    dead = [
+        f"{p.name}: model {v['model']} (beside its script: {v['beside']})"
+        for p in pages.values()
+        for v in p.widgets
+        if not v["rendered"]
+    ]
     assert not dead, "embedded widget views that did not render:\n" + "\n".join(dead)
 
 
 def test_widget_check_fails_on_a_view_that_does_not_render(browser, tmp_path):
     """The check above on made-up pages: views rendered before and after their script pass, a view left
     unrendered fails, and one rendered view does not count for two scripts."""
+
     def view(model):
         state = json.dumps({"version_major": 2, "version_minor": 0, "model_id": model})
         return f'<script type="{WIDGET_VIEW}">{state}</script>'
+
     rendered = '<div class="widget-subarea"><div class="lm-Widget jupyter-widgets widget-label">ranks: 2</div></div>'
-    pages = {"before.html": rendered + view("m1"), "after.html": view("m1") + rendered,
-             "dead.html": view("m1") + "<p>no manager loaded</p>",
-             "one_for_two.html": view("m1") + rendered + view("m2")}
+    pages = {
+        "before.html": rendered + view("m1"),
+        "after.html": view("m1") + rendered,
+        "dead.html": view("m1") + "<p>no manager loaded</p>",
+        "one_for_two.html": view("m1") + rendered + view("m2"),
+    }
     for name, body in pages.items():
         (tmp_path / name).write_text(f"<!doctype html><title>t</title><body><div>{body}</div>")
     with serve(tmp_path) as base:
@@ -408,8 +448,12 @@ def test_widget_check_fails_on_a_view_that_does_not_render(browser, tmp_path):
                 seen[name] = [(v["model"], v["rendered"]) for v in widget_views(page, wait_ms=1000)]
         finally:
             context.close()
-    assert seen == {"before.html": [("m1", True)], "after.html": [("m1", True)], "dead.html": [("m1", False)],
-                    "one_for_two.html": [("m1", True), ("m2", False)]}, seen
+    assert seen == {
+        "before.html": [("m1", True)],
+        "after.html": [("m1", True)],
+        "dead.html": [("m1", False)],
+        "one_for_two.html": [("m1", True), ("m2", False)],
+    }, seen
 
 
 def test_no_critical_accessibility_violations(visit):
@@ -420,14 +464,16 @@ def test_no_critical_accessibility_violations(visit):
     for page in pages.values():
         for v in page.axe:
             where = f"{page.name}: {v['id']} ({v['help']}) at " + ", ".join(
-                " ".join(n["target"]) if isinstance(n["target"], list) else str(n["target"]) for n in v["nodes"][:5])
+                " ".join(n["target"]) if isinstance(n["target"], list) else str(n["target"]) for n in v["nodes"][:5]
+            )
             if v["impact"] == "critical":
                 critical.append(where)
             elif v["impact"] == "serious":
                 serious.setdefault(v["id"], []).append(where)
     for rule, found in serious.items():
-        warnings.warn(f"axe, serious (not failing): {rule} on {len(found)} page(s):\n" + "\n".join(found[:5]),
-                      stacklevel=1)
+        warnings.warn(
+            f"axe, serious (not failing): {rule} on {len(found)} page(s):\n" + "\n".join(found[:5]), stacklevel=1
+        )
     assert not critical, "critical accessibility violations:\n" + "\n".join(critical)
 
 
@@ -447,8 +493,10 @@ def test_search_works_offline(book_html, site, browser):
         watch(page, traffic, "search.html")
         page.goto(f"{site}search.html?q={SEARCH_WORD}")
         page.wait_for_selector("#search-results ul.search li a", timeout=30_000)
-        found = {urldefrag(h)[0].removeprefix(site) for h in page.eval_on_selector_all(
-            "#search-results ul.search li a", "links => links.map(a => a.href)")}
+        found = {
+            urldefrag(h)[0].removeprefix(site)
+            for h in page.eval_on_selector_all("#search-results ul.search li a", "links => links.map(a => a.href)")
+        }
     finally:
         context.close()
     assert found & holding, f"search for {SEARCH_WORD!r} found {sorted(found)}, none of {sorted(holding)}"
@@ -487,8 +535,9 @@ RECORD_RUNS = r"""() => {
 
 def first_launch_cell(notebook):
     cells = json.loads(notebook.read_text())["cells"]
-    return next(i for i, c in enumerate(cells)
-                if c["cell_type"] == "code" and "lessonlib.launch(" in "".join(c["source"]))
+    return next(
+        i for i, c in enumerate(cells) if c["cell_type"] == "code" and "lessonlib.launch(" in "".join(c["source"])
+    )
 
 
 def lab_processes(mark):
@@ -506,13 +555,25 @@ def jupyterlab(tmp):
         path = tmp / "settings" / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
-    env = dict(os.environ, COURSE_LAB_MARK=mark, JUPYTER_CONFIG_DIR=str(tmp / "config"),
-               JUPYTER_DATA_DIR=str(tmp / "data"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
-               IPYTHONDIR=str(tmp / "ipython"), JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
-               JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"))
-    cmd = [str(Path(sys.executable).with_name("jupyter-lab")), "--no-browser", "--ip=127.0.0.1",
-           "--ServerApp.port=0", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-           f"--ServerApp.root_dir={ROOT}"]
+    env = dict(
+        os.environ,
+        COURSE_LAB_MARK=mark,
+        JUPYTER_CONFIG_DIR=str(tmp / "config"),
+        JUPYTER_DATA_DIR=str(tmp / "data"),
+        JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
+        IPYTHONDIR=str(tmp / "ipython"),
+        JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
+    )
+    cmd = [
+        str(Path(sys.executable).with_name("jupyter-lab")),
+        "--no-browser",
+        "--ip=127.0.0.1",
+        "--ServerApp.port=0",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={ROOT}",
+    ]
     if os.geteuid() == 0:  # CI containers run as root; Jupyter refuses that unless told
         cmd.append("--allow-root")
     log = open(tmp / "lab.log", "w+")
@@ -540,8 +601,9 @@ def stop_lab(proc, url, token, mark):
     Returns what was still alive after the polite shutdown (each is killed)."""
     if url and proc.poll() is None:
         with contextlib.suppress(OSError):
-            request = urllib.request.Request(url + "api/shutdown", method="POST",
-                                             headers={"Authorization": f"token {token}"})
+            request = urllib.request.Request(
+                url + "api/shutdown", method="POST", headers={"Authorization": f"token {token}"}
+            )
             urllib.request.urlopen(request, timeout=10).close()
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=30)
@@ -589,8 +651,11 @@ def test_a_reader_runs_chapter_1_to_its_first_launch_in_jupyterlab(browser, tmp_
             page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
             kernel = page.locator(".jp-NotebookPanel-toolbar .jp-KernelName").first
             # The chapter's own kernel, started without a "select kernel" dialog.
-            page.wait_for_function("(title) => document.querySelector('.jp-NotebookPanel-toolbar "
-                                   ".jp-KernelName')?.textContent.trim() === title", arg=kernel_title)
+            page.wait_for_function(
+                "(title) => document.querySelector('.jp-NotebookPanel-toolbar "
+                ".jp-KernelName')?.textContent.trim() === title",
+                arg=kernel_title,
+            )
             page.wait_for_selector('.jp-Notebook-ExecutionIndicator[data-status="idle"]')
             page.evaluate(RECORD_RUNS)
             page.locator(".jp-Notebook .jp-Cell").first.click()
@@ -598,13 +663,16 @@ def test_a_reader_runs_chapter_1_to_its_first_launch_in_jupyterlab(browser, tmp_
             for _ in range(launch + 1):
                 page.keyboard.press("Shift+Enter")
             try:  # the launch's view stops saying "running" when the run is over, however it ended
-                page.wait_for_function("() => window.__runs.some(runs => !/running/.test(runs[0].head))",
-                                       timeout=LAB_TIMEOUT * 1000)
+                page.wait_for_function(
+                    "() => window.__runs.some(runs => !/running/.test(runs[0].head))", timeout=LAB_TIMEOUT * 1000
+                )
             except PlaywrightTimeout:
                 outputs = page.locator(".jp-Notebook .jp-OutputArea").all_inner_texts()
                 log.seek(0)
-                pytest.fail(f"no finished launch shown in {LAB_TIMEOUT} s; kernel: {kernel.inner_text()!r}; "
-                            f"outputs:\n{chr(10).join(outputs)[-3000:]}\nJupyterLab's log:\n{log.read()[-2000:]}")
+                pytest.fail(
+                    f"no finished launch shown in {LAB_TIMEOUT} s; kernel: {kernel.inner_text()!r}; "
+                    f"outputs:\n{chr(10).join(outputs)[-3000:]}\nJupyterLab's log:\n{log.read()[-2000:]}"
+                )
             states = [runs[0] for runs in page.evaluate("window.__runs")]
             SCREENSHOTS.mkdir(parents=True, exist_ok=True)
             page.locator(".jp-Notebook .lessonlib-run").first.scroll_into_view_if_needed()
@@ -614,8 +682,11 @@ def test_a_reader_runs_chapter_1_to_its_first_launch_in_jupyterlab(browser, tmp_
             context.close()  # closes the notebook without saving it
     if not checkpoints_existed:
         shutil.rmtree(notebook.parent / ".ipynb_checkpoints", ignore_errors=True)
-    saved = [i for i, c in enumerate(json.loads(notebook.read_text())["cells"])
-             if c.get("outputs") or c.get("execution_count")]
+    saved = [
+        i
+        for i, c in enumerate(json.loads(notebook.read_text())["cells"])
+        if c.get("outputs") or c.get("execution_count")
+    ]
     assert not saved, f"JupyterLab saved outputs into {notebook} (cells {saved}): strip them"
 
     live = [s for s in states if "running" in s["head"]]
@@ -633,7 +704,7 @@ def test_a_reader_runs_chapter_1_to_its_first_launch_in_jupyterlab(browser, tmp_
     assert [c["title"] for c in panel["columns"]] == ["rank 0", "rank 1", "rank 2"], panel
     assert all(c["lines"] for c in panel["columns"]), f"a panel column stayed empty: {panel}"
     assert "stopped: every process of the run was killed" in panel["stopped"], panel
-    print(f"run panel: 3 ranks run from its controls, then a run stopped with its Stop button")
+    print("run panel: 3 ranks run from its controls, then a run stopped with its Stop button")
 
 
 PANEL_CELL = 'panel = lessonlib.panel("lessons/01_launch.py", nproc=2)\npanel'
@@ -643,6 +714,7 @@ def run_a_panel_through_its_controls(page, log):
     """In the open chapter, a new cell with a run panel; through its widgets: ranks set to 3, Run, the
     three columns filled; then --stall-rank 1, Run, Stop. Returns what the page showed. (panel.result
     is checked from a kernel in tests/test_panel.py.)"""
+
     def type_cell(code):
         page.keyboard.press("Escape")
         page.keyboard.press("b")  # a new cell below, in command mode
@@ -659,24 +731,31 @@ def run_a_panel_through_its_controls(page, log):
     ranks.press("Enter")
     box.locator("button", has_text="Run").click()
     try:  # the output widget's HTML is replaced at every redraw: look it up inside the panel each time
-        page.wait_for_function("(box) => { const h = box.querySelector('.lessonlib-run > div'); "
-                               "return h !== null && /^\\W*(ok|failed|timed out)/.test(h.textContent.trim()); }",
-                               arg=box.element_handle(), timeout=LAB_TIMEOUT * 1000)
+        page.wait_for_function(
+            "(box) => { const h = box.querySelector('.lessonlib-run > div'); "
+            "return h !== null && /^\\W*(ok|failed|timed out)/.test(h.textContent.trim()); }",
+            arg=box.element_handle(),
+            timeout=LAB_TIMEOUT * 1000,
+        )
     except PlaywrightTimeout:
         log.seek(0)
-        pytest.fail(f"the panel's run did not finish: {box.inner_text()[-2000:]}\nJupyterLab's log:\n"
-                    f"{log.read()[-2000:]}")
-    shown = page.evaluate("(run) => ({head: run.firstElementChild.textContent.trim(), columns: Array.from("
-                          "run.children[1].children).map(c => ({title: c.querySelector('b').textContent, "
-                          "lines: c.querySelector('pre').innerText.split('\\n').filter(l => l.trim())}))})",
-                          box.locator(".lessonlib-run").element_handle())
+        pytest.fail(
+            f"the panel's run did not finish: {box.inner_text()[-2000:]}\nJupyterLab's log:\n{log.read()[-2000:]}"
+        )
+    shown = page.evaluate(
+        "(run) => ({head: run.firstElementChild.textContent.trim(), columns: Array.from("
+        "run.children[1].children).map(c => ({title: c.querySelector('b').textContent, "
+        "lines: c.querySelector('pre').innerText.split('\\n').filter(l => l.trim())}))})",
+        box.locator(".lessonlib-run").element_handle(),
+    )
     # A run that stalls, stopped with the Stop button while the kernel is idle.
     stall = box.locator(".widget-inline-hbox", has_text="--stall-rank").locator("input")
     stall.fill("1")
     stall.press("Enter")
     box.locator("button", has_text="Run").click()
-    page.wait_for_function("(el) => /busy for/.test(el.textContent)", arg=box.element_handle(),
-                           timeout=LAB_TIMEOUT * 1000)
+    page.wait_for_function(
+        "(el) => /busy for/.test(el.textContent)", arg=box.element_handle(), timeout=LAB_TIMEOUT * 1000
+    )
     box.locator("button", has_text="Stop").click()
     page.wait_for_function("(el) => /stopped:/.test(el.textContent)", arg=box.element_handle(), timeout=60_000)
     shown["stopped"] = box.inner_text()

@@ -11,7 +11,6 @@ chapters whose code, or lessons, changed.
 import ast
 import json
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -90,7 +89,8 @@ def test_every_marked_region_is_shown_by_a_chapter_and_markers_pair_up():
 
 def test_region_and_function_are_dedented_without_marker_lines(tmp_path):
     lesson = tmp_path / "demo.py"
-    lesson.write_text(textwrap.dedent('''\
+    lesson.write_text(
+        textwrap.dedent('''\
         import torch
 
 
@@ -106,7 +106,8 @@ def test_region_and_function_are_dedented_without_marker_lines(tmp_path):
         class Model:
             def forward(self, x):
                 return x
-    '''))
+    ''')
+    )
     assert str(lessonlib.show_code(lesson, "body")) == "y = x * 2\nreturn y"
     func = str(lessonlib.show_code(lesson, pyobject="step"))
     assert func.startswith("@torch.no_grad()\ndef step(x):") and func.endswith("return y")
@@ -142,10 +143,20 @@ def _build(book, timeout=240):
 
 
 def _notebook(path, kernel, markdown, code, tags=()):
-    cells = [{"cell_type": "markdown", "id": "m", "metadata": {}, "source": markdown},
-             {"cell_type": "code", "id": "c", "metadata": {"tags": list(tags)}, "outputs": [], "execution_count": None,
-              "source": code}]
-    path.write_text(json.dumps({"cells": cells, "metadata": {"kernelspec": kernel}, "nbformat": 4, "nbformat_minor": 5}))
+    cells = [
+        {"cell_type": "markdown", "id": "m", "metadata": {}, "source": markdown},
+        {
+            "cell_type": "code",
+            "id": "c",
+            "metadata": {"tags": list(tags)},
+            "outputs": [],
+            "execution_count": None,
+            "source": code,
+        },
+    ]
+    path.write_text(
+        json.dumps({"cells": cells, "metadata": {"kernelspec": kernel}, "nbformat": 4, "nbformat_minor": 5})
+    )
 
 
 @pytest.mark.timeout(600)
@@ -160,13 +171,18 @@ def test_a_rebuild_executes_exactly_the_chapters_whose_code_changed(tmp_path):
     assert "lessonlib.bookdeps" in config, "_config.yml no longer loads lessonlib.bookdeps"
     execute = re.search(r"^execute:\n(?:[ #].*\n|\n)+", config, re.M).group(0)  # the course's own settings
     assert re.search(r"^\s*execute_notebooks: cache\b", execute, re.M), execute
-    (tmp_path / "_config.yml").write_text("title: demo\nonly_build_toc_files: true\n" + execute + textwrap.dedent("""
+    (tmp_path / "_config.yml").write_text(
+        "title: demo\nonly_build_toc_files: true\n"
+        + execute
+        + textwrap.dedent("""
         sphinx: {extra_extensions: [lessonlib.bookdeps], config: {nb_execution_raise_on_error: true}}
-    """))
+    """)
+    )
     book = tmp_path / "book"
     (book / "lessons").mkdir(parents=True)
-    (book / "_toc.yml").write_text("format: jb-book\nroot: index\nchapters:\n  - file: shows\n  - file: runs\n"
-                                   "  - file: plain\n")
+    (book / "_toc.yml").write_text(
+        "format: jb-book\nroot: index\nchapters:\n  - file: shows\n  - file: runs\n  - file: plain\n"
+    )
     (book / "index.md").write_text("# index\n")
     shown = book / "lessons" / "demo.py"
     shown.write_text('def f():\n    # [start: shown]\n    value = "FIRST"\n    # [end: shown]\n    return value\n')
@@ -175,12 +191,22 @@ def test_a_rebuild_executes_exactly_the_chapters_whose_code_changed(tmp_path):
     record = tmp_path / "executions.txt"
     kernel = json.loads((ROOT / "book" / "01_launch.ipynb").read_text())["metadata"]["kernelspec"]
     note = f"open({str(record)!r}, 'a').write('{{}}\\n')\n"
-    _notebook(book / "shows.ipynb", kernel, "# shows", note.format("shows") + 'import lessonlib\n'
-              'lessonlib.show_code("lessons/demo.py", "shown")', tags=["remove-input", "lesson-code"])
-    _notebook(book / "runs.ipynb", kernel, "# runs", note.format("runs") + 'import subprocess, sys\n'
-              'print(subprocess.run([sys.executable, "lessons/other.py"], capture_output=True, text=True, '
-              'timeout=60).stdout)')
-    _notebook(book / "plain.ipynb", kernel, "# plain", note.format("plain") + 'print(6 * 7)')
+    _notebook(
+        book / "shows.ipynb",
+        kernel,
+        "# shows",
+        note.format("shows") + 'import lessonlib\nlessonlib.show_code("lessons/demo.py", "shown")',
+        tags=["remove-input", "lesson-code"],
+    )
+    _notebook(
+        book / "runs.ipynb",
+        kernel,
+        "# runs",
+        note.format("runs") + "import subprocess, sys\n"
+        'print(subprocess.run([sys.executable, "lessons/other.py"], capture_output=True, text=True, '
+        "timeout=60).stdout)",
+    )
+    _notebook(book / "plain.ipynb", kernel, "# plain", note.format("plain") + "print(6 * 7)")
     html = tmp_path / "_build" / "html"
 
     def build():
@@ -194,9 +220,10 @@ def test_a_rebuild_executes_exactly_the_chapters_whose_code_changed(tmp_path):
     report = json.loads((tmp_path / "_build" / "lessonlib-execution.json").read_text())
     assert report["jobs"] >= 2 and len(report["executed"]) == 3, report  # side by side
     page = (html / "shows.html").read_text()
-    assert '<span class="n">value</span> <span class="o">=</span> <span class="s2">&quot;FIRST&quot;</span>' in page \
-        or '<span class="n">value</span> <span class="o">=</span> <span class="s2">"FIRST"</span>' in page, \
-        "the shown region is not a Pygments-highlighted code block:\n" + page[page.find("cell_output"):][:800]
+    assert (
+        '<span class="n">value</span> <span class="o">=</span> <span class="s2">&quot;FIRST&quot;</span>' in page
+        or '<span class="n">value</span> <span class="o">=</span> <span class="s2">"FIRST"</span>' in page
+    ), "the shown region is not a Pygments-highlighted code block:\n" + page[page.find("cell_output") :][:800]
     assert "def f" not in page  # only the region, without the function around it
     assert "OUTPUT ONE" in (html / "runs.html").read_text()
 
@@ -228,7 +255,7 @@ def test_a_chapter_that_uses_lessonlib_depends_on_all_of_it():
     from lessonlib.bookdeps import dependencies
 
     modules = {p.resolve() for p in (ROOT / "lessonlib").glob("*.py")}
-    chapter = (ROOT / "book" / "02_collectives.ipynb")
+    chapter = ROOT / "book" / "02_collectives.ipynb"
     found = set(dependencies(chapter.read_text(), chapter.parent))
     assert modules <= found, sorted(modules - found)
     assert ROOT / "lessons" / "02_collectives.py" in found

@@ -2,13 +2,12 @@
 
 Real processes and real gloo, no mocks. A toy checker written here shows what the scaffold does with a
 wrong answer at two ranks under torchrun: every rank fails with the problem, naming the rank that saw
-it (rank 1 here, so a notebook's check_function says what is wrong); and that the self-test fails a checker that accepts a wrong
-answer. Then, for every checker lesson (found by pattern): its `solution` region, alone in a file as a
-reader would send it, passes the checker; and its self-test checks exactly the function that region
-defines (sabotage the region, in a copy of the lessons, and the self-test fails, naming it). The
-per-lesson runs are at world size 1 as plain `python` (a one-rank gloo group), the cheapest real run;
-tests/test_lessons.py runs every self-test at 1 to 4 ranks.
-"""
+it (rank 1 here, so a notebook's check_function says what is wrong); and that the self-test fails a
+checker that accepts a wrong answer. Then, for every checker lesson (found by pattern): its `solution`
+region, alone in a file as a reader would send it, passes the checker; and its self-test checks exactly
+the function that region defines (sabotage the region, in a copy of the lessons, and the self-test
+fails, naming it). The per-lesson runs are at world size 1 as plain `python` (a one-rank gloo group),
+the cheapest real run; tests/test_lessons.py runs every self-test at 1 to 4 ranks."""
 
 import ast
 import os
@@ -33,7 +32,7 @@ def solution_region(lesson):
     """The source of the lesson's `solution` region and the names of the functions it defines."""
     text = lesson.read_text()
     first, last = regions(text)["solution"]
-    source = textwrap.dedent("\n".join(text.splitlines()[first:last + 1]))
+    source = textwrap.dedent("\n".join(text.splitlines()[first : last + 1]))
     return source, [n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
 
 
@@ -85,11 +84,14 @@ if __name__ == "__main__":
     main()
 '''
 
-WRONG_ON_RANK_1 = PRELUDE + '''def rank_sum():
+WRONG_ON_RANK_1 = (
+    PRELUDE
+    + """def rank_sum():
     total = torch.tensor([dist.get_rank()])
     dist.all_reduce(total)
     return total.item() + (dist.get_rank() == 1)
-'''
+"""
+)
 
 
 @pytest.fixture
@@ -102,8 +104,9 @@ def toy(tmp_path):
 def test_the_scaffold_fails_a_wrong_answer_on_every_rank_and_names_the_problem(toy, tmp_path):
     answer = tmp_path / "answer.py"
     answer.write_text(WRONG_ON_RANK_1)
-    run = lessonlib.launch(toy, nproc=2, args=["--solution", str(answer), "--function", "rank_sum"],
-                           timeout=TIMEOUT, show="none")
+    run = lessonlib.launch(
+        toy, nproc=2, args=["--solution", str(answer), "--function", "rank_sum"], timeout=TIMEOUT, show="none"
+    )
     assert not run.ok and all(r.exitcode != 0 for r in run.ranks), run.describe_failure()
     for r in run.ranks:  # rank 0 saw nothing wrong itself, and still says what rank 1 saw
         assert "AssertionError: rank 1: rank_sum() returned 2, the ranks add up to 1" in r.stderr, r.stderr[-2000:]
@@ -132,15 +135,19 @@ def test_a_checker_that_accepts_a_wrong_answer_fails_its_self_test(toy):
 def test_at_world_size_1_a_mistake_that_one_rank_cannot_make_is_not_rejected(toy):
     code, out = run_python([toy], cwd=toy.parent)
     assert code == 0, out[-3000:]
-    assert "accepts rank_sum, rejects []" in out and "these wrong answers are right, so they are not rejected: " \
-        "['own_rank']" in out, out[-3000:]
+    assert (
+        "accepts rank_sum, rejects []" in out
+        and "these wrong answers are right, so they are not rejected: ['own_rank']" in out
+    ), out[-3000:]
 
 
 def test_every_checker_lesson_is_found_and_uses_the_scaffold():
     assert len(CHECKERS) >= 10, CHECKERS
     for lesson in CHECKERS:
         text = lesson.read_text()
-        assert "run_checker(" in text and "def agreed(" not in text and "def main(" in text, f"{lesson.name}: use lessonlib.exercises"
+        assert "run_checker(" in text and "def agreed(" not in text and "def main(" in text, (
+            f"{lesson.name}: use lessonlib.exercises"
+        )
 
 
 @pytest.mark.parametrize("lesson", CHECKERS, ids=lambda p: p.stem)
@@ -162,11 +169,13 @@ def test_the_self_test_checks_the_function_the_solution_region_defines(lesson, t
     copy = tmp_path / "lessons"
     shutil.copytree(ROOT / "lessons", copy, ignore=shutil.ignore_patterns("__pycache__"))
     _, names = solution_region(lesson)
-    sabotage = "".join(f"\n\ndef {name}(*args, **kwargs):\n    raise RuntimeError('sabotaged {name}')\n"
-                       for name in names)
+    sabotage = "".join(
+        f"\n\ndef {name}(*args, **kwargs):\n    raise RuntimeError('sabotaged {name}')\n" for name in names
+    )
     text = lesson.read_text()
     assert text.count("# [end: solution]") == 1
     (copy / lesson.name).write_text(text.replace("# [end: solution]", sabotage.strip("\n") + "\n# [end: solution]"))
     code, out = run_python([copy / lesson.name], cwd=ROOT)
-    assert code != 0 and f"sabotaged {names[0]}" in out, f"{lesson.name}: the self-test passed a sabotaged " \
-        f"solution region:\n{out[-4000:]}"
+    assert code != 0 and f"sabotaged {names[0]}" in out, (
+        f"{lesson.name}: the self-test passed a sabotaged solution region:\n{out[-4000:]}"
+    )

@@ -87,8 +87,9 @@ def test_load_function_names_what_is_missing(tmp_path):
 
 
 def test_plot_ranks_draws_one_box_per_element_and_marks_empty_ranks():
-    fig = lessonlib.plot_ranks({"before": [[1, 2, 3], [11, 12, 13]], "after": [[1, 2, 3, 11, 12, 13], None]},
-                               title="gather")
+    fig = lessonlib.plot_ranks(
+        {"before": [[1, 2, 3], [11, 12, 13]], "after": [[1, 2, 3, 11, 12, 13], None]}, title="gather"
+    )
     ax = fig.axes[0]
     assert len(ax.patches) == 3 + 3 + 6  # the None rank draws no boxes
     texts = [t.get_text() for t in ax.texts]
@@ -154,15 +155,22 @@ def test_comma_list_parses_and_names_what_is_wrong():
     assert ops("broadcast, reduce,") == ["broadcast", "reduce"]
     lengths = lessonlib.comma_list(int, low=1, high=16)
     assert lengths("1,16") == [1, 16]
-    for parse, text, message in [(ops, "broadcast,nope", "unknown ['nope']; choose from broadcast, reduce"),
-                                 (ops, " , ", "at least one value"),
-                                 (lengths, "3,x", "comma-separated int values"),
-                                 (lengths, "0,17", "[0, 17] outside the allowed range 1..16")]:
+    for parse, text, message in [
+        (ops, "broadcast,nope", "unknown ['nope']; choose from broadcast, reduce"),
+        (ops, " , ", "at least one value"),
+        (lengths, "3,x", "comma-separated int values"),
+        (lengths, "0,17", "[0, 17] outside the allowed range 1..16"),
+    ]:
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
             parse(text)
 
 
 def test_a_lesson_refuses_a_bad_list_before_joining_a_group():
-    out = subprocess.run([sys.executable, "lessons/02_collectives.py", "--ops", "broadcast,nope"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "lessons/02_collectives.py", "--ops", "broadcast,nope"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "argument --ops: unknown ['nope']" in out.stderr, out.stderr

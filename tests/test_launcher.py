@@ -72,6 +72,7 @@ def wait_for_files(paths, timeout, proc=None):
 
 # --------------------------------------------------------------------------- capture and rendering
 
+
 @pytest.fixture(scope="module")
 def capture_run():
     run = lessonlib.launch(PRINT_LINES, nproc=2, args=["--lines", CAPTURE_LINES], timeout=90, show="none")
@@ -81,11 +82,13 @@ def capture_run():
 
 def test_each_rank_keeps_its_own_lines_in_order(capture_run):
     for r in capture_run.ranks:
-        html_line = f"rank {r.rank} says <b>&\"bold\"</b>"
-        assert r.stdout.splitlines() == expected_lines(r.rank, "out", CAPTURE_LINES) + [html_line], \
+        html_line = f'rank {r.rank} says <b>&"bold"</b>'
+        assert r.stdout.splitlines() == expected_lines(r.rank, "out", CAPTURE_LINES) + [html_line], (
             f"rank {r.rank} stdout:\n{r.stdout}"
-        assert r.stderr.splitlines() == expected_lines(r.rank, "err", CAPTURE_LINES), \
+        )
+        assert r.stderr.splitlines() == expected_lines(r.rank, "err", CAPTURE_LINES), (
             f"rank {r.rank} stderr:\n{r.stderr}"
+        )
 
 
 def test_torchrun_banner_is_kept_apart_from_the_ranks(capture_run):
@@ -97,11 +100,15 @@ def test_torchrun_banner_is_kept_apart_from_the_ranks(capture_run):
 
 
 def test_reports_come_back_per_rank(capture_run):
-    assert capture_run.reports("printed") == [(0, {"rank": 0, "lines": CAPTURE_LINES}),
-                                               (1, {"rank": 1, "lines": CAPTURE_LINES})]
+    assert capture_run.reports("printed") == [
+        (0, {"rank": 0, "lines": CAPTURE_LINES}),
+        (1, {"rank": 1, "lines": CAPTURE_LINES}),
+    ]
     assert capture_run.reports("no such tag") == []
-    assert capture_run.reports_by_rank("printed") == {0: [{"rank": 0, "lines": CAPTURE_LINES}],
-                                                      1: [{"rank": 1, "lines": CAPTURE_LINES}]}
+    assert capture_run.reports_by_rank("printed") == {
+        0: [{"rank": 0, "lines": CAPTURE_LINES}],
+        1: [{"rank": 1, "lines": CAPTURE_LINES}],
+    }
     assert capture_run.reports_by_rank("no such tag") == {0: [], 1: []}
 
 
@@ -137,6 +144,7 @@ def test_100k_lines_per_rank_complete_and_ordered():
 
 # --------------------------------------------------------------------------- failures
 
+
 def test_failing_rank_is_named_as_root_cause():
     run = lessonlib.launch(LAUNCH_LESSON, nproc=3, args=["--fail-rank", "1"], timeout=90, show="none")
     assert not run.ok
@@ -163,8 +171,9 @@ def hung_run():
     tag = uuid.uuid4().hex
     with tempfile.TemporaryDirectory() as ready:
         t0 = time.monotonic()
-        run = lessonlib.launch(HANG, nproc=3, timeout=HANG_TIMEOUT, env={"TEST_TAG": tag, "TEST_READY_DIR": ready},
-                               show="none")
+        run = lessonlib.launch(
+            HANG, nproc=3, timeout=HANG_TIMEOUT, env={"TEST_TAG": tag, "TEST_READY_DIR": ready}, show="none"
+        )
         elapsed = time.monotonic() - t0
         ready_files = sorted(os.listdir(ready))
         grandchild = int((Path(ready) / "grandchild.pid").read_text()) if "grandchild.pid" in ready_files else None
@@ -176,7 +185,9 @@ def test_timeout_is_reported_and_bounded(hung_run):
     # Without this the timeout would have struck during start-up, and the test would prove little.
     assert hung_run["ready"] == ["grandchild.pid", "rank0.ready", "rank1.ready", "rank2.ready"], hung_run["ready"]
     assert run.timed_out and not run.ok
-    assert hung_run["elapsed"] < run.timeout + 10, f"timeout {HANG_TIMEOUT} s, launch returned after {hung_run['elapsed']:.1f} s"
+    assert hung_run["elapsed"] < run.timeout + 10, (
+        f"timeout {HANG_TIMEOUT} s, launch returned after {hung_run['elapsed']:.1f} s"
+    )
     assert run.wall_time < run.timeout + 10
     assert [r.status for r in run.ranks] == ["hung"] * 3
     with pytest.raises(lessonlib.LaunchError, match=f"timed out after {HANG_TIMEOUT} s"):
@@ -185,13 +196,17 @@ def test_timeout_is_reported_and_bounded(hung_run):
 
 def test_timeout_prints_each_hung_ranks_stack(hung_run):
     run = hung_run["run"]
-    lines = {1: marker_line(HANG, "# HANG-SLEEP"), 0: marker_line(HANG, "# HANG-BARRIER"),
-             2: marker_line(HANG, "# HANG-BARRIER")}
+    lines = {
+        1: marker_line(HANG, "# HANG-SLEEP"),
+        0: marker_line(HANG, "# HANG-BARRIER"),
+        2: marker_line(HANG, "# HANG-BARRIER"),
+    }
     for rank, line in lines.items():
         stderr = run.ranks[rank].stderr
         assert "most recent call first" in stderr, f"rank {rank} printed no stack:\n{stderr}"
-        assert re.search(rf'hang\.py", line {line} in main', stderr), \
+        assert re.search(rf'hang\.py", line {line} in main', stderr), (
             f"rank {rank}'s stack does not name hang.py line {line}:\n{stderr}"
+        )
         # The failure message carries the stacks too.
         assert f"--- rank {rank} stack ---" in run.describe_failure()
 
@@ -221,14 +236,21 @@ def test_interrupt_kills_the_run(tmp_path, interrupts):
         f"                 env={{'TEST_TAG': {tag!r}, 'TEST_READY_DIR': {str(tmp_path)!r}}})\n"
         "print('launch returned instead of raising')\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(own_tmp)})
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(own_tmp)},
+    )
     try:
-        wait_for_files([tmp_path / "rank0.ready", tmp_path / "rank1.ready", tmp_path / "grandchild.pid"],
-                       timeout=60, proc=child)
+        wait_for_files(
+            [tmp_path / "rank0.ready", tmp_path / "rank1.ready", tmp_path / "grandchild.pid"], timeout=60, proc=child
+        )
         running = processes_with_env("TEST_TAG", tag)
         assert len(running) >= 4, f"expected agent, 2 ranks and a grandchild; found {running}"
-        for i in range(interrupts):  # more than one: the later ones land while the launcher cleans up
+        for _ in range(interrupts):  # more than one: the later ones land while the launcher cleans up
             if child.poll() is None:
                 os.kill(child.pid, signal.SIGINT)
             time.sleep(0.05)
@@ -270,8 +292,9 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("kwargs, error, keyword", [case[1:] for case in BAD_INPUTS],
-                         ids=[case[0] for case in BAD_INPUTS])
+@pytest.mark.parametrize(
+    "kwargs, error, keyword", [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS]
+)
 def test_bad_input_is_refused_before_anything_starts(kwargs, error, keyword, monkeypatch):
     if kwargs.get("backend") == "nccl" and list(Path("/dev").glob("nvidia[0-9]*")):
         pytest.skip("this machine has an NVIDIA GPU, so backend='nccl' is not a bad input here")
@@ -297,6 +320,7 @@ def test_bad_input_is_refused_before_anything_starts(kwargs, error, keyword, mon
 
 
 # --------------------------------------------------------------------------- several launches
+
 
 @pytest.mark.timeout(240)
 def test_four_concurrent_launches_do_not_collide():
@@ -334,8 +358,9 @@ def test_two_nodes(rendezvous):
 
 
 def test_legacy_launcher_passes_local_rank_argument():
-    run = lessonlib.launch(LEGACY_LESSON, nproc=2, args=["--expect-argv"], launcher="torch.distributed.launch",
-                           timeout=90, show="none")
+    run = lessonlib.launch(
+        LEGACY_LESSON, nproc=2, args=["--expect-argv"], launcher="torch.distributed.launch", timeout=90, show="none"
+    )
     assert run.ok, run.describe_failure()
     got = run.reports("local_rank")
     assert [rank for rank, _ in got] == [0, 1]
@@ -346,18 +371,28 @@ def test_legacy_launcher_passes_local_rank_argument():
 
 
 def test_lesson_runs_under_plain_python():
-    done = subprocess.run([sys.executable, LAUNCH_LESSON], cwd=ROOT, capture_output=True, text=True, timeout=90,
-                          env={k: v for k, v in os.environ.items() if not k.startswith("LESSONLIB_")})
+    done = subprocess.run(
+        [sys.executable, LAUNCH_LESSON],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={k: v for k, v in os.environ.items() if not k.startswith("LESSONLIB_")},
+    )
     assert done.returncode == 0, done.stderr
     assert "all 1 ranks agree" in done.stdout, done.stdout
 
 
 # --------------------------------------------------------------------------- the leak check itself
 
+
 def test_leak_scan_sees_a_marked_process(leak_scan):
     """The autouse leak check must be able to fail: a process carrying the run marker is found."""
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                               env={**os.environ, RUN_ID_VAR: "leak-scan-check"}, start_new_session=True)
+    sleeper = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env={**os.environ, RUN_ID_VAR: "leak-scan-check"},
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 10
         while sleeper.pid not in {p.pid for p in leak_scan()}:
@@ -371,6 +406,7 @@ def test_leak_scan_sees_a_marked_process(leak_scan):
 
 # --------------------------------------------------------------------------- regressions
 
+
 @pytest.mark.parametrize("how, exitcode", [("exit", 3), ("segv", -signal.SIGSEGV)])
 def test_rank_dying_without_a_python_exception_is_still_the_root_cause(tmp_path, how, exitcode):
     """os._exit or a segfault leaves no exit record; the peers' "connection closed" errors must not win."""
@@ -380,7 +416,8 @@ def test_rank_dying_without_a_python_exception_is_still_the_root_cause(tmp_path,
         "ctx = lessonlib.setup()\n"
         "if ctx.rank == 1:\n"
         "    ctypes.string_at(0) if sys.argv[1] == 'segv' else os._exit(3)\n"
-        "t = torch.ones(1); dist.all_reduce(t); lessonlib.teardown()\n")
+        "t = torch.ones(1); dist.all_reduce(t); lessonlib.teardown()\n"
+    )
     run = lessonlib.launch(script, nproc=3, args=[how], timeout=90, show="none")
     assert not run.ok
     assert run.root_cause.rank == 1, run.describe_failure()
@@ -413,12 +450,16 @@ def test_timeout_before_any_rank_started_says_so():
 
 # --------------------------------------------------------------------------- the launch description and the run folder
 
+
 def test_mpi_backend_is_refused_naming_what_is_allowed(monkeypatch):
     """No chapter uses MPI, so launch offers gloo and nccl only; 'mpi' is bad input, refused before anything starts."""
     spawned = []
     monkeypatch.setattr(psutil, "Popen", lambda *a, **kw: spawned.append(a) or pytest.fail("started a process"))
-    with pytest.raises(ValueError, match=r"backend must be one of gloo, nccl or None \(pick automatically\); "
-                                         r"got 'mpi'"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend must be one of gloo, nccl or None \(pick automatically\); "
+        r"got 'mpi'",
+    ):
         lessonlib.launch(LAUNCH_LESSON, nproc=2, timeout=30, show="none", backend="mpi")
     assert spawned == []
 
@@ -430,8 +471,18 @@ def test_launch_description_is_checked_and_frozen(tmp_path):
 
     script = tmp_path / "x.py"
     script.write_text("print('x')\n")
-    spec = check_launch(script.name, 3, ["--steps", 2], 45, {"MY_FLAG": "1"}, nnodes=2, backend="gloo",
-                        launcher="torchrun", rendezvous="static", cwd=tmp_path)
+    spec = check_launch(
+        script.name,
+        3,
+        ["--steps", 2],
+        45,
+        {"MY_FLAG": "1"},
+        nnodes=2,
+        backend="gloo",
+        launcher="torchrun",
+        rendezvous="static",
+        cwd=tmp_path,
+    )
     assert (spec.script, spec.shown, spec.args, spec.world_size) == (script, "x.py", ("--steps", "2"), 6)
     assert spec.cwd == tmp_path.resolve() and spec.env == {"MY_FLAG": "1"}
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -457,16 +508,33 @@ def test_run_folder_records_round_trip(tmp_path):
     assert sorted(os.listdir(folder)) == ["rank1.exit.json", "rank1.reports.jsonl", "rank1.start.json"]
 
 
-RUN_FOLDER_NAMES = ("LESSONLIB_RUN_ID", "LESSONLIB_RUN_DIR", "LESSONLIB_LAUNCHER_PID", "LESSONLIB_BACKEND", ".start.json", ".exit.json",
-                    ".reports.jsonl", "agent{", ".stdout\"", ".stderr\"")
+RUN_FOLDER_NAMES = (
+    "LESSONLIB_RUN_ID",
+    "LESSONLIB_RUN_DIR",
+    "LESSONLIB_LAUNCHER_PID",
+    "LESSONLIB_BACKEND",
+    ".start.json",
+    ".exit.json",
+    ".reports.jsonl",
+    "agent{",
+    '.stdout"',
+    '.stderr"',
+)
 
 
 def test_run_folder_protocol_is_spelled_once():
     """The run folder's variable and file names live in lessonlib/_runfolder.py; every other side imports them."""
-    sides = [*sorted((ROOT / "lessonlib").glob("*.py")),
-             *(ROOT / "tests" / name for name in ("conftest.py", "rankfork.py", "test_lessons.py"))]
-    spelled = [(path.relative_to(ROOT), name) for path in sides if path.name != "_runfolder.py"
-               for name in RUN_FOLDER_NAMES if name in path.read_text()]
+    sides = [
+        *sorted((ROOT / "lessonlib").glob("*.py")),
+        *(ROOT / "tests" / name for name in ("conftest.py", "rankfork.py", "test_lessons.py")),
+    ]
+    spelled = [
+        (path.relative_to(ROOT), name)
+        for path in sides
+        if path.name != "_runfolder.py"
+        for name in RUN_FOLDER_NAMES
+        if name in path.read_text()
+    ]
     assert spelled == [], f"run-folder names spelled outside lessonlib/_runfolder.py: {spelled}"
 
 
@@ -478,10 +546,18 @@ def test_a_run_leaves_nothing_in_the_temporary_folder(tmp_path, launcher):
     own_tmp = tmp_path / "tmp"
     own_tmp.mkdir()
     script = ROOT / "lessons" / "01_legacy_launch.py"  # runs under both launchers
-    code = (f"import lessonlib\nlessonlib.launch({str(script)!r}, nproc=2, timeout=120, show='none', "
-            f"launcher={launcher!r}).raise_for_status()\n")
-    child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=200,
-                           env={**os.environ, "TMPDIR": str(own_tmp)})
+    code = (
+        f"import lessonlib\nlessonlib.launch({str(script)!r}, nproc=2, timeout=120, show='none', "
+        f"launcher={launcher!r}).raise_for_status()\n"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env={**os.environ, "TMPDIR": str(own_tmp)},
+    )
     assert child.returncode == 0, child.stderr[-3000:]
     assert sorted(p.name for p in own_tmp.iterdir()) == [], "left in the temporary folder"
 
@@ -513,7 +589,11 @@ def test_run_bounded_leaves_no_process_whether_the_command_finishes_or_hangs(wai
 def test_run_bounded_reaches_a_bounded_command_inside_a_bounded_command():
     """The marks nest: killing the outer command at its deadline also ends what an inner run_bounded
     (with a longer bound) had started."""
-    inner = f"from lessonlib.runprocs import run_bounded; import sys; run_bounded([sys.executable, '-c', {DETACHED.format(wait=600)!r}], 600)"
+    detached = DETACHED.format(wait=600)
+    inner = (
+        "import sys\nfrom lessonlib.runprocs import run_bounded\n"
+        + f"run_bounded([sys.executable, '-c', {detached!r}], 600)"
+    )
     done = run_bounded([sys.executable, "-c", inner], 8)
     assert done.timed_out, done
     marked = [p for p in psutil.process_iter() if not _gone(p.pid) and "time.sleep(600)" in " ".join(p.cmdline())]

@@ -56,11 +56,15 @@ WORLD_SIZES = (1, 2, 3, 4)  # 3: a world size that does not divide evenly
 TIMEOUT = 180  # seconds per run
 BOOK_TEST = "test_book_builds_and_executes_every_chapter"
 # Only this exact shape counts: default arguments, and the run's success asserted on the spot.
-BOOK_LAUNCH = re.compile(r'lessonlib\.launch\(\s*"lessons/(\w+)\.py",\s*nproc=(\d+),\s*timeout=\d+,?\s*'
-                         r'(?:show="\w+",?\s*)?\)\.raise_for_status\(\)')
+BOOK_LAUNCH = re.compile(
+    r'lessonlib\.launch\(\s*"lessons/(\w+)\.py",\s*nproc=(\d+),\s*timeout=\d+,?\s*'
+    r'(?:show="\w+",?\s*)?\)\.raise_for_status\(\)'
+)
 # A run panel made with no lesson options and run at once in the same cell is the same launch.
-BOOK_PANEL = re.compile(r'lessonlib\.panel\(\s*"lessons/(\w+)\.py",\s*nproc=(\d+)(?:,\s*timeout=\d+)?'
-                        r'(?:,\s*plot=\w+)?(?:,\s*plot_alt=\w+)?\)(?=[\s\S]*\bpanel\.run\(\)\.raise_for_status\(\))')
+BOOK_PANEL = re.compile(
+    r'lessonlib\.panel\(\s*"lessons/(\w+)\.py",\s*nproc=(\d+)(?:,\s*timeout=\d+)?'
+    r"(?:,\s*plot=\w+)?(?:,\s*plot_alt=\w+)?,?\s*\)(?=[\s\S]*\bpanel\.run\(\)\.raise_for_status\(\))"
+)
 
 
 def book_runs():
@@ -111,10 +115,12 @@ def test_docstring_starts_with_the_command_that_runs_it(lesson):
     command, path = command_of(lesson), f"lessons/{lesson.name}"
     assert re.match(rf"(torchrun --nproc_per_node=\d+ |python ){re.escape(path)}(\s|$)", command), (
         f"{path}: the docstring's first line must be the command that runs it, `torchrun "
-        f"--nproc_per_node=N {path} ...` or `python {path} ...`; it is {command!r}")
+        f"--nproc_per_node=N {path} ...` or `python {path} ...`; it is {command!r}"
+    )
     assert not re.search(r"[\[\]<>|]", command), (
         f"{path}: the docstring's first line must run as pasted into a shell; {command!r} has usage brackets "
-        "(list the options on an `Options:` line below the summary instead)")
+        "(list the options on an `Options:` line below the summary instead)"
+    )
 
 
 COMMAND_TEST = "test_docstring_command_runs"
@@ -143,8 +149,9 @@ def run_command(command, tmp_path):
         env["PET_MASTER_PORT"] = str(port)
         done = run_bounded(argv, TIMEOUT, cwd=ROOT, env=env)
     if done.timed_out:
-        pytest.fail(f"`{command}` did not finish in {TIMEOUT} s (killed, with every process it started):\n"
-                    f"{done.output[-5000:]}")
+        pytest.fail(
+            f"`{command}` did not finish in {TIMEOUT} s (killed, with every process it started):\n{done.output[-5000:]}"
+        )
     return done.returncode, done.output
 
 
@@ -158,8 +165,16 @@ def run_plain(lesson, args=()):
     return done.returncode, done.output
 
 
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                 "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 FAILURE_GRACE = 5.0  # seconds the other ranks get after one failed, as torchrun's agent gives them
 
 
@@ -176,8 +191,18 @@ def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT):
     """
     import torch.distributed as dist  # here, not at the top: only this path needs torch in the test process
 
-    spec = check_launch(lesson, world_size, list(args), timeout, None, nnodes=1, backend=None,
-                        launcher="torchrun", rendezvous="c10d", cwd=ROOT)
+    spec = check_launch(
+        lesson,
+        world_size,
+        list(args),
+        timeout,
+        None,
+        nnodes=1,
+        backend=None,
+        launcher="torchrun",
+        rendezvous="c10d",
+        cwd=ROOT,
+    )
     run_id, run_dir = uuid.uuid4().hex, tmp_path / "run"
     run_dir.mkdir(parents=True)
     watch = RankWatch(str(run_dir), world_size)
@@ -186,10 +211,16 @@ def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT):
         # The test process hosts the rendezvous store, as torchrun's agent does: the ranks connect at once
         # instead of retrying, with growing pauses, until rank 0 has opened one.
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
-        base = {**launch_environment(spec, run_id, str(run_dir)),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "OMP_NUM_THREADS": "1",
-                "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        base = {
+            **launch_environment(spec, run_id, str(run_dir)),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "GROUP_RANK": "0",
+            "OMP_NUM_THREADS": "1",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
         try:
             for rank in range(world_size):
                 env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
@@ -214,8 +245,16 @@ def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT):
             del store
     codes = [p.exitcode for p in procs]
     # What torchrun's agent would return, and what it would say of a rank that left no exit record.
-    ending = Ending([0 if all(c == 0 for c in codes) else 1], [], time.monotonic() - t0, timed_out, False,
-                    watch.ended, [], exitcodes=dict(enumerate(codes)))
+    ending = Ending(
+        [0 if all(c == 0 for c in codes) else 1],
+        [],
+        time.monotonic() - t0,
+        timed_out,
+        False,
+        watch.ended,
+        [],
+        exitcodes=dict(enumerate(codes)),
+    )
     return read_result(spec, str(run_dir), ending)
 
 
@@ -228,10 +267,16 @@ def test_docstring_command_runs(lesson, request, tmp_path):
     # every lesson above, and this file run alone runs all of them.
     command = command_of(lesson)
     chapter = BOOK_RUNS.get((lesson.stem, command_world_size(lesson)))
-    if chapter and command.startswith("torchrun ") and len(shlex.split(command)) == 3 and any(
-            item.name == BOOK_TEST for item in request.session.items):
-        pytest.skip(f"the book build runs it: {chapter} launches {lesson.name} at {command_world_size(lesson)} "
-                    f"ranks under torchrun with default options, as `{command}` does")
+    if (
+        chapter
+        and command.startswith("torchrun ")
+        and len(shlex.split(command)) == 3
+        and any(item.name == BOOK_TEST for item in request.session.items)
+    ):
+        pytest.skip(
+            f"the book build runs it: {chapter} launches {lesson.name} at {command_world_size(lesson)} "
+            f"ranks under torchrun with default options, as `{command}` does"
+        )
     code, out = run_command(command, tmp_path)
     assert code == 0, f"`{command}` (the first line of {lesson.name}'s docstring) exited {code}:\n{out[-5000:]}"
 
@@ -240,13 +285,16 @@ def test_docstring_command_runs(lesson, request, tmp_path):
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
 def test_lesson_runs(lesson, world_size, request, tmp_path):
     if world_size == command_world_size(lesson) and any(
-            item.name == f"{COMMAND_TEST}[{lesson.stem}]" for item in request.session.items):
+        item.name == f"{COMMAND_TEST}[{lesson.stem}]" for item in request.session.items
+    ):
         pytest.skip(f"{COMMAND_TEST} runs it at {world_size} rank(s), as its command: `{command_of(lesson)}`")
     # World size 1 here is plain `python lessons/X.py`, which a one-rank torchrun launch in the book is not.
     chapter = BOOK_RUNS.get((lesson.stem, world_size)) if world_size > 1 else None
     if chapter and any(item.name == BOOK_TEST for item in request.session.items):
-        pytest.skip(f"the book build runs it: {chapter} launches {lesson.name} at {world_size} ranks with "
-                    f"default arguments and raise_for_status()")
+        pytest.skip(
+            f"the book build runs it: {chapter} launches {lesson.name} at {world_size} ranks with "
+            f"default arguments and raise_for_status()"
+        )
     kind = kind_of(lesson)
     if kind == "single" and world_size > 1:
         pytest.skip(f"a single-process script (its command is `{command_of(lesson)}`): world size 1 only")
@@ -271,8 +319,10 @@ def test_a_lesson_missing_an_import_of_its_own_fails(tmp_path):
     """The fork server preloads third-party packages only, so the ranks import lessonlib's modules as a
     fresh `python` does: a lesson that uses lessonlib.training after a bare `import lessonlib` fails
     here, as it fails for a reader; with the import it passes."""
-    body = ("import lessonlib{extra}\n\nctx = lessonlib.setup(device='cpu')\ntry:\n"
-            "    lessonlib.training.mlp()\nfinally:\n    lessonlib.teardown()\n")
+    body = (
+        "import lessonlib{extra}\n\nctx = lessonlib.setup(device='cpu')\ntry:\n"
+        "    lessonlib.training.mlp()\nfinally:\n    lessonlib.teardown()\n"
+    )
     missing = tmp_path / "99_missing_import.py"
     missing.write_text(body.format(extra=""))
     code, out = run_plain(missing)

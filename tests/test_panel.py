@@ -76,8 +76,13 @@ def wait_for(kernel, expression, timeout=90):
 def test_set_ranks_and_options_run_and_read_the_result(kernel):
     kernel.run('p = lessonlib.panel("lessons/01_launch.py", nproc=2)')
     options = kernel.value("{f: type(w).__name__ for f, w in p.options.items()}")
-    assert options == {"--steps": "IntText", "--fail-rank": "IntText", "--stall-rank": "IntText",
-                       "--stall-seconds": "FloatText", "--pg-timeout": "Text"}, options
+    assert options == {
+        "--steps": "IntText",
+        "--fail-rank": "IntText",
+        "--stall-rank": "IntText",
+        "--stall-seconds": "FloatText",
+        "--pg-timeout": "Text",
+    }, options
     kernel.run("p.nproc.value = 3; p.options['--steps'].value = 3")
     assert kernel.value("p.settings()") == ["--steps", "3"]
     assert "torchrun --nproc_per_node=3 lessons/01_launch.py --steps 3" in kernel.value("p.command.value")
@@ -93,16 +98,21 @@ def test_set_ranks_and_options_run_and_read_the_result(kernel):
 
 @pytest.mark.timeout(300)
 def test_plot_draws_a_picture_with_alt_text_from_each_run(kernel):
-    kernel.run("import matplotlib.pyplot as plt\n"
-               "def steps_figure(run):\n"
-               "    fig, ax = plt.subplots()\n"
-               "    ax.bar(range(run.world_size), [len(r.stdout.splitlines()) for r in run.ranks])\n"
-               "    return fig\n"
-               'v = lessonlib.panel("lessons/01_launch.py", nproc=2, plot=steps_figure, '
-               'plot_alt=lambda run: f"lines printed by each of {run.world_size} ranks")\n'
-               "v.run()")
+    kernel.run(
+        "import matplotlib.pyplot as plt\n"
+        "def steps_figure(run):\n"
+        "    fig, ax = plt.subplots()\n"
+        "    ax.bar(range(run.world_size), [len(r.stdout.splitlines()) for r in run.ranks])\n"
+        "    return fig\n"
+        'v = lessonlib.panel("lessons/01_launch.py", nproc=2, plot=steps_figure, '
+        'plot_alt=lambda run: f"lines printed by each of {run.world_size} ranks")\n'
+        "v.run()"
+    )
     figure = kernel.value("v.figure.value")
-    assert figure.startswith('<img src="data:image/png;base64,iVBOR') and 'alt="lines printed by each of 2 ranks"' in figure
+    assert (
+        figure.startswith('<img src="data:image/png;base64,iVBOR')
+        and 'alt="lines printed by each of 2 ranks"' in figure
+    )
     assert kernel.value("v.figure.layout.display") is None  # shown
     assert kernel.value("len(plt.get_fignums())") == 0  # closed after drawing: not shown a second time
 
@@ -122,10 +132,11 @@ def test_options_come_from_the_lessons_parser(kernel):
     kernel.run("c.options['--log-every-batch'].value = True")
     assert kernel.value("c.settings()") == ["--log-every-batch"]
 
+
 def test_a_script_without_argparse_gets_the_ranks_control_alone(kernel, tmp_path):
     script = tmp_path / "plain.py"
     script.write_text("print('no options here')\n")
-    kernel.run(f'g = lessonlib.panel({str(script)!r}, nproc=1)')
+    kernel.run(f"g = lessonlib.panel({str(script)!r}, nproc=1)")
     assert kernel.value("[g.options, g.settings(), g.nproc.value]") == [{}, [], 1]
 
 
@@ -161,8 +172,10 @@ def test_a_failing_rank_is_named_in_the_panel(kernel):
 
 
 def _stalling_panel(kernel, name):
-    kernel.run(f'{name} = lessonlib.panel("lessons/01_launch.py", nproc=2, '
-               f'args=["--stall-rank", "1", "--stall-seconds", "120"])')
+    kernel.run(
+        f'{name} = lessonlib.panel("lessons/01_launch.py", nproc=2, '
+        f'args=["--stall-rank", "1", "--stall-seconds", "120"])'
+    )
 
 
 @pytest.mark.timeout(300)

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 import lessonlib.launcher
-from lessonlib import runner
 from conftest import kill_processes, processes_with_env
+from lessonlib import runner
 from lessonlib.launcher import RankOutput
 from lessonlib.runprocs import kill_session, run_bounded
 
@@ -36,11 +36,18 @@ def kill_marked(value):
 
 def cli(*args, timeout=RUN_LIMIT, env=None):
     """`python -m lessonlib ARGS` from the repository root, bounded: (exit code, stdout, stderr, seconds)."""
-    done = run_bounded([sys.executable, "-m", "lessonlib", *args], timeout, cwd=ROOT,
-                       env={**os.environ, **(env or {})}, merge_output=False)
+    done = run_bounded(
+        [sys.executable, "-m", "lessonlib", *args],
+        timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        merge_output=False,
+    )
     if done.timed_out:
-        pytest.fail(f"python -m lessonlib {' '.join(args)} did not finish in {timeout} s:\n"
-                    f"{done.stdout[-3000:]}\n{(done.stderr or '')[-3000:]}")
+        pytest.fail(
+            f"python -m lessonlib {' '.join(args)} did not finish in {timeout} s:\n"
+            f"{done.stdout[-3000:]}\n{(done.stderr or '')[-3000:]}"
+        )
     return done.returncode, done.stdout, done.stderr, done.seconds
 
 
@@ -49,6 +56,7 @@ def shown(code, out, err):
 
 
 # --------------------------------------------------------------------------- help, list, import cost
+
 
 def test_help_lists_the_subcommands():
     code, out, err, _ = cli("--help", timeout=FAST * 3)
@@ -59,29 +67,43 @@ def test_help_lists_the_subcommands():
 def test_run_help_explains_itself_with_examples():
     code, out, err, _ = cli("run", "--help", timeout=FAST * 3)
     assert code == 0, shown(code, out, err)
-    for needed in ("-n N, --nproc N", "--timeout SECONDS", "--columns", "examples:",
-                   "python -m lessonlib run lessons/01_launch.py -- --fail-rank 1", "after `--`", "exit status"):
+    for needed in (
+        "-n N, --nproc N",
+        "--timeout SECONDS",
+        "--columns",
+        "examples:",
+        "python -m lessonlib run lessons/01_launch.py -- --fail-rank 1",
+        "after `--`",
+        "exit status",
+    ):
         assert needed in out, f"run --help does not say {needed!r}:\n{out}"
 
 
 def test_list_and_help_do_not_import_torch():
-    code = ("import sys, io, contextlib\n"
-            "from lessonlib.runner import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
-            "    assert main(['list']) == 0\n"
-            "    for argv in (['--help'], ['run', '--help'], []):\n"
-            "        try:\n"
-            "            main(argv)\n"
-            "        except SystemExit:\n"
-            "            pass\n"
-            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'lessonlib.launcher'))\n"
-            "print(heavy)\n")
+    code = (
+        "import sys, io, contextlib\n"
+        "from lessonlib.runner import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "    assert main(['list']) == 0\n"
+        "    for argv in (['--help'], ['run', '--help'], []):\n"
+        "        try:\n"
+        "            main(argv)\n"
+        "        except SystemExit:\n"
+        "            pass\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'lessonlib.launcher'))\n"
+        "print(heavy)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=FAST * 3)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", f"list/--help imported: {proc.stdout}"
     # The same seen from outside, as `python -X importtime -m lessonlib list` reports every import.
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "lessonlib", "list"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=FAST * 3)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "lessonlib", "list"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=FAST * 3,
+    )
     assert proc.returncode == 0, proc.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "lessonlib.runner" in imported, proc.stderr[-2000:]
@@ -95,8 +117,11 @@ def test_list_shows_every_lesson_under_its_chapter():
     headings = {}
     for notebook in sorted(ROOT.glob("book/[0-9][0-9]_*.ipynb")):
         cells = json.loads(notebook.read_text())["cells"]
-        first = next(re.search(r"^#\s+(.+?)\s*$", "".join(c["source"]), re.M)
-                     for c in cells if c["cell_type"] == "markdown" and re.search(r"^#\s", "".join(c["source"]), re.M))
+        first = next(
+            re.search(r"^#\s+(.+?)\s*$", "".join(c["source"]), re.M)
+            for c in cells
+            if c["cell_type"] == "markdown" and re.search(r"^#\s", "".join(c["source"]), re.M)
+        )
         title = first.group(1).replace("`", "")
         matches = [i for i, line in enumerate(lines) if title in line and f"book/{notebook.name}" in line]
         assert len(matches) == 1, f"chapter heading {title!r} ({notebook.name}) not listed once:\n{out}"
@@ -129,6 +154,7 @@ def test_default_world_size_comes_from_the_docstring():
 
 # --------------------------------------------------------------------------- bad input
 
+
 def _syntax_error(tmp_path):
     bad = tmp_path / "broken.py"
     bad.write_text('"""torchrun --nproc_per_node=2 broken.py"""\ndef main(:\n')
@@ -141,12 +167,18 @@ BAD = [
     ("-n two", lambda _: ["run", "lessons/01_launch.py", "-n", "two"], "whole number of ranks, 1 to 16"),
     ("negative timeout", lambda _: ["run", "lessons/01_launch.py", "--timeout", "-1"], "--timeout: must be a number"),
     ("missing script", lambda _: ["run", "lessons/99_no_such.py"], "lessons/99_no_such.py: no such file"),
-    ("unknown option", lambda _: ["run", "lessons/01_launch.py", "--fail-rank", "1"],
-     "options for the lesson go after `--`, e.g. python -m lessonlib run lessons/01_launch.py -- --fail-rank 1"),
+    (
+        "unknown option",
+        lambda _: ["run", "lessons/01_launch.py", "--fail-rank", "1"],
+        "options for the lesson go after `--`, e.g. python -m lessonlib run lessons/01_launch.py -- --fail-rank 1",
+    ),
     ("not python", lambda _: ["run", "README.md"], "README.md: not a lesson"),
     ("syntax error", lambda tmp: ["run", *_syntax_error(tmp)], "not valid Python"),
-    ("spawn script", lambda _: ["run", "lessons/11_spawn.py"],
-     "run it as its docstring says: python lessons/11_spawn.py"),
+    (
+        "spawn script",
+        lambda _: ["run", "lessons/11_spawn.py"],
+        "run it as its docstring says: python lessons/11_spawn.py",
+    ),
     ("one-process script", lambda _: ["run", "lessons/11_single.py", "-n", "2"], "-n must be 1"),
     ("no subcommand", lambda _: [], "usage: python -m lessonlib"),
 ]
@@ -164,6 +196,7 @@ def test_bad_input_is_refused_before_anything_starts(make_args, message, tmp_pat
 
 
 # --------------------------------------------------------------------------- real runs
+
 
 @pytest.fixture(scope="module")
 def columns_run():
@@ -187,10 +220,11 @@ def test_columns_show_the_ranks_side_by_side_within_the_terminal_width(columns_r
     heads = [i for i, line in enumerate(lines) if re.match(r"rank 0 \(exit 0\)\s+\| rank 1 \(exit 0\)$", line)]
     assert len(heads) == 1, f"no column heading for ranks 0 and 1:\n{out}"
     assert heads[0] > max(i for i, line in enumerate(lines) if line.startswith("[rank ")), "columns before the end"
-    table = lines[heads[0]:]
+    table = lines[heads[0] :]
     assert all(len(line) <= 90 for line in table), "\n".join(line for line in table if len(line) > 90)
-    assert any("rank 0: step 0 all_reduce = 1" in line and "rank 1: step 0 all_reduce = 1" in line
-               for line in table), out
+    assert any("rank 0: step 0 all_reduce = 1" in line and "rank 1: step 0 all_reduce = 1" in line for line in table), (
+        out
+    )
 
 
 def test_a_failing_rank_is_named_last_on_stderr():
@@ -238,8 +272,9 @@ def test_a_timeout_says_so_and_leaves_no_process(hang_env, tmp_path):
     sleeper.write_text(SLEEPER)
     code, out, err, seconds = cli("run", str(sleeper), "-n", "2", "--timeout", "40", env=env)
     assert code == runner.EXIT_TIMEOUT, shown(code, out, err)
-    assert sorted(os.listdir(ready)) == ["rank0.ready", "rank1.ready"], \
+    assert sorted(os.listdir(ready)) == ["rank0.ready", "rank1.ready"], (
         f"the run timed out before the ranks were sleeping: {os.listdir(ready)}"
+    )
     last = err.rstrip("\n").splitlines()[-1]
     assert "timed out after 40 s" in last and "rank(s) 0, 1 were still running" in last, shown(code, out, err)
     assert re.search(r"--- rank 1 stack ---\n.*\n\s+File .*sleeper\.py", err), err  # where it was, from the launcher
@@ -250,9 +285,16 @@ def test_a_timeout_says_so_and_leaves_no_process(hang_env, tmp_path):
 def test_ctrl_c_exits_130_without_a_traceback_and_leaves_no_process(hang_env):
     env, ready = hang_env
     mark = uuid.uuid4().hex
-    proc = subprocess.Popen([sys.executable, "-m", "lessonlib", "run", str(HANG), "-n", "2", "--timeout", "120"],
-                            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, **env, MARK: mark})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lessonlib", "run", str(HANG), "-n", "2", "--timeout", "120"],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **env, MARK: mark},
+    )
     try:
         deadline = time.monotonic() + 90
         while not all((ready / f).exists() for f in ("rank0.ready", "rank1.ready", "grandchild.pid")):
@@ -266,7 +308,8 @@ def test_ctrl_c_exits_130_without_a_traceback_and_leaves_no_process(hang_env):
         kill_session(proc)
         kill_marked(mark)
     assert proc.returncode == runner.EXIT_INTERRUPTED, shown(proc.returncode, out, err)
-    assert err.rstrip("\n").splitlines()[-1] == \
-        "lessonlib run: interrupted (Ctrl-C); every process of the run was stopped", err
+    assert (
+        err.rstrip("\n").splitlines()[-1] == "lessonlib run: interrupted (Ctrl-C); every process of the run was stopped"
+    ), err
     assert "KeyboardInterrupt" not in err and 'File "' + runner.__file__ not in err, err
     assert processes_with_env("TEST_TAG", env["TEST_TAG"]) == []

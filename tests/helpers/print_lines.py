@@ -21,7 +21,7 @@ def main():
         out.write(f"rank {rank} out {i}\n")
         err.write(f"rank {rank} err {i}\n")
     # Characters that HTML must escape, so the tests can check the rendered view.
-    print(f"rank {rank} says <b>&\"bold\"</b>")
+    print(f'rank {rank} says <b>&"bold"</b>')
     lessonlib.report("printed", {"rank": rank, "lines": args.lines})
 
 
