@@ -16,7 +16,7 @@ import ast
 import re
 import textwrap
 
-from .launcher import resolve_script
+from .launchspec import resolve_script
 
 MARKER = re.compile(r"^\s*# \[(start|end): ([\w.-]+)\]\s*$")
 

@@ -43,7 +43,8 @@ from pathlib import Path
 import ipywidgets as widgets
 
 from .display import HtmlLiveView, command_line
-from .launcher import ROOT, launch, resolve_script
+from .launcher import launch
+from .launchspec import ROOT, resolve_script
 
 MAX_RANKS = 4  # each rank is a Python process with torch loaded; the panel is for a laptop
 SPEC_TIMEOUT = 60  # seconds to read a lesson's options (it imports torch)

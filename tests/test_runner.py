@@ -140,8 +140,8 @@ def test_list_shows_every_lesson_under_its_chapter():
 
 
 def test_runner_bounds_match_the_launcher():
-    assert runner.MAX_NPROC == lessonlib.launcher.MAX_NPROC
-    assert runner.MAX_TIMEOUT == lessonlib.launcher.MAX_TIMEOUT
+    assert runner.MAX_NPROC == lessonlib.launchspec.MAX_NPROC
+    assert runner.MAX_TIMEOUT == lessonlib.launchspec.MAX_TIMEOUT
 
 
 def test_default_world_size_comes_from_the_docstring():
