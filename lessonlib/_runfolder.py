@@ -61,6 +61,12 @@ def _read_json(path):
 
 
 def write_start(run_dir, rank, record):
+    """A rank starts its script. An exit record of an earlier attempt (torchrun --max-restarts started
+    the rank again) goes first: the rank's outcome is its last attempt's."""
+    try:
+        os.remove(_record(run_dir, rank, "exit"))
+    except FileNotFoundError:
+        pass
     _write_json(_record(run_dir, rank, "start"), record)
 
 

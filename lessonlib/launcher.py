@@ -71,6 +71,7 @@ def launch(
     show="auto",
     cwd=None,
     stop=None,
+    max_restarts=0,
 ):
     """Run `script` under torchrun with `nproc` ranks per node and return a RunResult.
 
@@ -82,6 +83,9 @@ def launch(
     (or a view object, as the run panel passes: see lessonlib.display.NullView).
     `stop`: a threading.Event; setting it (from another thread: the run panel's Stop button) ends the
     run as an interrupt does, every process killed, and the result has `interrupted` set.
+    `max_restarts`: torchrun's --max-restarts (chapter 12): after a rank fails, every rank is stopped
+    and started again, at most this many times. Each rank's output files then hold every attempt, one
+    after the other, and its status is the last attempt's.
     Does not raise when the lesson fails: call `.raise_for_status()` for that.
     """
     # Check everything before starting anything.
@@ -96,6 +100,7 @@ def launch(
         launcher=launcher,
         rendezvous=rendezvous,
         cwd=cwd,
+        max_restarts=max_restarts,
     )
     if show is True or show is None:
         show = "auto"
@@ -234,6 +239,11 @@ def _environment(spec, run_id, run_dir):
     }
     if spec.backend:
         env[runfolder.BACKEND_VAR] = spec.backend
+    if spec.max_restarts and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in spec.env:
+        # torch 2.14.1, --standalone: ranks started again sometimes read the previous attempt's gloo
+        # addresses from the rendezvous store they share with the agent, and fail to connect ("Connection
+        # refused"; pytorch/pytorch#135712). A store of their own for each attempt avoids it (chapter 12).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 
@@ -252,6 +262,8 @@ def _agent_command(spec, node, run_id, run_dir, port):
     # Its log folder in the run folder: otherwise each run leaves a torchelastic_* folder in /tmp for good
     # (the deprecated launcher too: it takes the same option).
     cmd += [f"--log-dir={runfolder.torchrun_log_dir(run_dir, node)}"]
+    if spec.max_restarts:
+        cmd += [f"--max-restarts={spec.max_restarts}"]
     if spec.nnodes == 1:
         cmd += ["--standalone"]
     elif spec.rendezvous == "c10d":

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the course checkout: lessons/ a
 MAX_NPROC = 16  # ranks per node; each is a whole Python process with torch loaded (~0.3 GB each)
 MAX_NNODES = 4  # simulated nodes on this one machine
 MAX_TIMEOUT = 3600.0
+MAX_RESTARTS = 5  # torchrun --max-restarts: whole-group restarts after a failure (chapter 12)
 BACKENDS = ("gloo", "nccl")
 LAUNCHERS = ("torchrun", "torch.distributed.launch")
 RENDEZVOUS = ("c10d", "static")
@@ -54,23 +55,29 @@ class LaunchSpec:
     launcher: str  # 'torchrun' or the deprecated 'torch.distributed.launch'
     rendezvous: str  # how several agents meet: 'c10d' or 'static'
     cwd: Path  # where the agents and ranks run
+    max_restarts: int = 0  # torchrun restarts every rank this many times at most after one fails
 
     @property
     def world_size(self):
         return self.nproc * self.nnodes
 
 
-def check_launch(script, nproc, args, timeout, env, *, nnodes, backend, launcher, rendezvous, cwd):
+def check_launch(script, nproc, args, timeout, env, *, nnodes, backend, launcher, rendezvous, cwd, max_restarts=0):
     """launch's arguments as a LaunchSpec; raises ValueError or FileNotFoundError before anything starts."""
     path = resolve_script(script, cwd)
     _check_int("nproc", nproc, 1, MAX_NPROC, "each rank is a full Python process with torch loaded")
     _check_int("nnodes", nnodes, 1, MAX_NNODES, "simulated nodes share this one machine")
+    _check_int("max_restarts", max_restarts, 0, MAX_RESTARTS, "each restart starts every rank again")
     args = _check_args(args)
     env = _check_env(env)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT:
         raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}]; got {timeout!r}")
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {launcher!r}")
+    if max_restarts and launcher != "torchrun":
+        raise ValueError(
+            f"max_restarts needs launcher='torchrun' (the deprecated launcher has no restarts); got {launcher!r}"
+        )
     if rendezvous not in RENDEZVOUS:
         raise ValueError(f"rendezvous must be one of {', '.join(RENDEZVOUS)}; got {rendezvous!r}")
     check_backend(backend, nproc)
@@ -79,7 +86,18 @@ def check_launch(script, nproc, args, timeout, env, *, nnodes, backend, launcher
         raise FileNotFoundError(f"cwd {str(cwd)!r} is not a directory")
     shown = os.path.relpath(path, cwd) if path.is_relative_to(cwd) else str(path)
     return LaunchSpec(
-        path, shown, tuple(args), nproc, nnodes, timeout, MappingProxyType(env), backend, launcher, rendezvous, cwd
+        path,
+        shown,
+        tuple(args),
+        nproc,
+        nnodes,
+        timeout,
+        MappingProxyType(env),
+        backend,
+        launcher,
+        rendezvous,
+        cwd,
+        max_restarts,
     )
 
 

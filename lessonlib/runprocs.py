@@ -59,33 +59,47 @@ def kill_all(procs):
 
 
 class RankWatch:
-    """Notes when each rank's process disappears: the end time of a rank that left no exit record."""
+    """Notes when each rank's process disappears: the end time of a rank that left no exit record.
+
+    A rank that torchrun starts again (launch(max_restarts=...), chapter 12) writes a new start record
+    with a new pid: the watch then follows the new process, and its end is the last attempt's.
+    """
 
     def __init__(self, run_dir, world):
         self.run_dir, self.world = run_dir, world
-        self.procs, self.ended = {}, {}
+        self.procs, self.ended, self.pids = {}, {}, {}
 
     def poll(self):
         now = time.time()
         for rank in range(self.world):
-            if rank in self.ended:
+            if rank in self.ended and not self._restarted(rank):
                 continue
-            if rank not in self.procs:
+            if rank not in self.pids:
                 start = runfolder.read_start(self.run_dir, rank)
                 if start is None:
                     continue
+                self.pids[rank] = start["pid"]
                 try:
                     self.procs[rank] = psutil.Process(start["pid"])
                 except psutil.NoSuchProcess:
                     self.ended[rank] = now
                     continue
-            p = self.procs[rank]
             try:
-                gone = p.status() == psutil.STATUS_ZOMBIE
+                gone = self.procs[rank].status() == psutil.STATUS_ZOMBIE
             except psutil.NoSuchProcess:
                 gone = True
             if gone:
                 self.ended[rank] = now
+
+    def _restarted(self, rank):
+        """True, and the rank watched afresh, when its start record names a process other than the one
+        that ended (torchrun started it again)."""
+        start = runfolder.read_start(self.run_dir, rank)
+        if start is None or start["pid"] == self.pids.get(rank):
+            return False
+        self.procs.pop(rank, None)
+        del self.pids[rank], self.ended[rank]
+        return True
 
     def running(self):
         """Ranks whose process has started and not yet ended."""

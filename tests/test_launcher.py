@@ -598,3 +598,36 @@ def test_run_bounded_reaches_a_bounded_command_inside_a_bounded_command():
     assert done.timed_out, done
     marked = [p for p in psutil.process_iter() if not _gone(p.pid) and "time.sleep(600)" in " ".join(p.cmdline())]
     assert marked == [], f"left running: {marked}"
+
+
+FAILS_ONCE = """import os, sys
+import lessonlib
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+ctx = lessonlib.setup(device="cpu", timeout=10)
+print(f"rank {ctx.rank} attempt {attempt}")
+if ctx.rank == 1 and attempt < {fail_attempts}:
+    raise RuntimeError(f"rank 1 fails on attempt {attempt}")
+lessonlib.teardown()
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fail_attempts, ok", [(1, True), (9, False)], ids=["fails once", "fails every time"])
+def test_max_restarts_starts_every_rank_again_and_reports_the_last_attempt(tmp_path, fail_attempts, ok):
+    """torchrun --max-restarts=1: after rank 1 fails, every rank starts again; each rank's output holds
+    both attempts, and the outcome is the last attempt's (a stale exit record of the first is not read)."""
+    script = tmp_path / "fails.py"
+    script.write_text(FAILS_ONCE.replace("{fail_attempts}", str(fail_attempts)))
+    run = lessonlib.launch(script, nproc=2, timeout=120, show="none", max_restarts=1)
+    assert run.ok is ok, run.describe_failure()
+    for r in run.ranks:
+        assert f"rank {r.rank} attempt 0" in r.stdout and f"rank {r.rank} attempt 1" in r.stdout, r.stdout
+    if not ok:
+        assert run.root_cause.rank == 1 and "fails on attempt 1" in run.root_cause.error, run.describe_failure()
+
+
+def test_max_restarts_is_checked():
+    with pytest.raises(ValueError, match="max_restarts must be from 0 to 5"):
+        lessonlib.launch(HANG, nproc=2, max_restarts=6)
+    with pytest.raises(ValueError, match="max_restarts needs launcher='torchrun'"):
+        lessonlib.launch(HANG, nproc=2, max_restarts=1, launcher="torch.distributed.launch")
