@@ -94,6 +94,20 @@ class RunResult:
             return None
         return min(failed, key=lambda r: (_is_collateral(r), r.end if r.end is not None else float("inf")))
 
+    @property
+    def left_early(self):
+        """Ranks that exited 0 before the first failure, when every failure only says a peer went away.
+
+        A rank that leaves cleanly while the others still call collectives (it thought the data had
+        run out) fails nothing itself, and its peers fail with "Connection closed by peer": then the
+        culprit is among these, not among the failed ranks (chapter 12).
+        """
+        failed = [r for r in self.ranks if r.status == "failed"]
+        if not failed or not all(_is_collateral(r) for r in failed):
+            return []
+        first = min((r.end for r in failed if r.end is not None), default=None)
+        return [r.rank for r in self.ranks if r.ok and r.end is not None and (first is None or r.end < first)]
+
     def reports(self, tag):
         """Values that ranks published with `lessonlib.report(tag, value)`, as [(rank, value), ...]."""
         return [(r.rank, value) for r in self.ranks for t, value in r.reports if t == tag]
@@ -152,6 +166,12 @@ class RunResult:
             f"First failure (root cause): rank {cause.rank} exited {cause.exitcode}{when}"
             + (f" with {cause.error}" if cause.error else "")
         )
+        early = self.left_early
+        if early:
+            lines.append(
+                f"But rank(s) {_list(early)} exited 0 before that, while the others still called collectives: "
+                "a rank that leaves early reads as 'Connection closed by peer' on the others. Look there first."
+            )
         for r in self.ranks:
             if r.ok or r is cause:
                 continue

@@ -10,6 +10,7 @@ whatever way it ends, every process carrying the marker is killed. The launcher,
 executor and chapter 11 all go through it (or, for torchrun launches, `dump_stacks_then_kill`).
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -206,3 +207,56 @@ def kill_session(proc, mark=None):
     proc.wait()  # reaped here, before the scan: psutil would reap it otherwise, and its exit code be lost
     if mark is not None:
         kill_all(marked_processes(BOUNDED_VAR, mark))
+
+
+class Started:
+    """A command running in the background under `started`: its process, and its output so far."""
+
+    def __init__(self, proc, out_path):
+        self.proc, self._out_path = proc, out_path
+
+    def output(self):
+        """Everything it has written so far (stdout and stderr together), as text."""
+        with open(self._out_path, "rb") as f:
+            return f.read().decode("utf-8", errors="replace")
+
+    def poll_until(self, check, timeout=60):
+        """Call `check()` every 0.1 s until it returns something true, and return that; TimeoutError (with
+        the output so far) if `timeout` seconds pass or the command ends first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = check()
+            if found:
+                return found
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                why = f"it exited {self.proc.returncode}" if self.proc.poll() is not None else f"{timeout:g} s passed"
+                raise TimeoutError(f"{check} was never true: {why}; its output so far:\n{self.output()[-3000:]}")
+            time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def started(argv, timeout, *, cwd=None, env=None):
+    """Run `argv` in the background while the with-block works with it (chapter 12: a job to inspect
+    while it hangs); on leaving the block, or after `timeout` seconds, whichever comes first, every
+    process it started is killed (run_bounded's rule). Yields a Started."""
+    import threading
+
+    env, mark = marked_environment(env)
+    with tempfile.NamedTemporaryFile(prefix="lessonlib-started-") as out:
+        proc = subprocess.Popen(
+            [str(a) for a in argv],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        timer = threading.Timer(timeout, lambda: kill_session(proc, mark))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield Started(proc, out.name)
+        finally:
+            timer.cancel()
+            kill_session(proc, mark)
