@@ -631,3 +631,39 @@ def test_max_restarts_is_checked():
         lessonlib.launch(HANG, nproc=2, max_restarts=6)
     with pytest.raises(ValueError, match="max_restarts needs launcher='torchrun'"):
         lessonlib.launch(HANG, nproc=2, max_restarts=1, launcher="torch.distributed.launch")
+
+
+LEAVES_EARLY = """import sys
+import torch, torch.distributed as dist
+import lessonlib
+ctx = lessonlib.setup(device="cpu", timeout=20)
+if ctx.rank == 1:
+    sys.exit(0)  # leaves cleanly while rank 0 still calls a collective
+dist.all_reduce(torch.ones(1))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_exits_0_early_is_named_though_only_its_peers_failed(tmp_path):
+    script = tmp_path / "leaves_early.py"
+    script.write_text(LEAVES_EARLY)
+    run = lessonlib.launch(script, nproc=2, timeout=90, show="none")
+    assert not run.ok and run.ranks[1].ok and run.failed_ranks == [0], run.describe_failure()
+    assert run.left_early == [1] and "But rank(s) 1 exited 0 before that" in run.describe_failure()
+
+
+@pytest.mark.parametrize("how", ["block ends", "bound fires"])
+def test_started_kills_everything_it_started(how):
+    from lessonlib.runprocs import started
+
+    with started([sys.executable, "-c", DETACHED.format(wait=600)], timeout=3 if how == "bound fires" else 60) as job:
+        child = job.poll_until(lambda: job.output().split() and int(job.output().split()[0]), timeout=30)
+        if how == "bound fires":
+            deadline = time.monotonic() + 30
+            while job.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert job.proc.poll() is not None, "the bound did not end the command"
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(child), f"pid {child}, started by the command in a session of its own, outlived it"
