@@ -1,16 +1,48 @@
 """The torchrun agent as `lessonlib.launch` starts it: torch.distributed.run (or the deprecated
-torch.distributed.launch, with --legacy), but one that exits when the launcher does (chapter 1)."""
+torch.distributed.launch, with --legacy), but one that ends the run when the launcher dies (chapter 1).
 
+If the launcher (a notebook kernel) is killed, nobody is left to run its cleanup. torchrun's own
+shutdown is not enough: it asks its ranks to stop (SIGTERM) and waits up to 30 s for one that
+ignores it, and it knows nothing of a process a rank started in a session of its own, nor of the run
+folder. So a thread of this agent watches the launcher, and when it is gone does what the launcher
+would have done: kill every process that carries the run's marker, remove the run folder, and exit.
+"""
+
+import contextlib
 import os
 import runpy
+import shutil
 import signal
 import sys
+import threading
+import time
 
-from lessonlib._lifeline import die_with_parent
-from lessonlib._runfolder import LAUNCHER_PID_VAR
+import psutil
+
+from lessonlib._runfolder import LAUNCHER_PID_VAR, RUN_DIR_VAR, RUN_ID_VAR
+from lessonlib.runprocs import run_processes
+
+WATCH_INTERVAL = 0.2  # seconds between two looks at the launcher
+
+
+def end_run_when_launcher_dies(launcher_pid):
+    while os.getppid() == launcher_pid:
+        time.sleep(WATCH_INTERVAL)
+    for proc in run_processes(os.environ[RUN_ID_VAR]):  # every process of the run but this one
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    # No waiting for them to go (killed ranks stay zombies until torchrun reaps them): torchrun's own
+    # thread, seeing its ranks die, writes into its log folder inside the run folder, so remove the
+    # folder and exit at once, before it can write again.
+    shutil.rmtree(os.environ[RUN_DIR_VAR], ignore_errors=True)
+    os._exit(128 + signal.SIGTERM)
+
 
 if __name__ == "__main__":
-    die_with_parent(signal.SIGTERM, int(os.environ[LAUNCHER_PID_VAR]))
+    # No death signal for the agent itself (lessonlib._lifeline): torchrun would handle it and exit
+    # before the watch below had cleaned up. The watch also covers a launcher gone before this line.
+    launcher = int(os.environ[LAUNCHER_PID_VAR])
+    threading.Thread(target=end_run_when_launcher_dies, args=(launcher,), daemon=True).start()
     module = "torch.distributed.run"
     if sys.argv[1:2] == ["--legacy"]:
         module = "torch.distributed.launch"

@@ -1,10 +1,10 @@
 """Tie a process's life to its parent's (Linux), so no part of a launch outlives the launcher (chapter 1).
 
 `lessonlib.launch` kills the whole run on timeout, error or interrupt. If the launcher itself dies
-(a notebook kernel restarted or killed), nobody is left to do that, so each process of a run asks
-the kernel to signal it when its parent exits: the torchrun agent gets SIGTERM (it then stops its
-ranks as it would on any shutdown), and each rank gets SIGKILL in case the agent died too hard to
-stop them. Elsewhere than Linux this is a no-op; the launcher's own cleanup still applies.
+(a notebook kernel restarted or killed), nobody is left to do that: the torchrun agent then ends
+the run itself (lessonlib._agent_main), and each rank asks the kernel for SIGKILL when its parent,
+the agent, exits, in case the agent died too hard to stop it. Elsewhere than Linux this is a
+no-op; the launcher's own cleanup still applies.
 """
 
 import ctypes

@@ -10,7 +10,8 @@ What it guarantees, and how:
   what was wrong and what is allowed (lessonlib.launchspec).
 - torchrun is `python -m torch.distributed.run` with this interpreter, in its own session, with the
   rendezvous on 127.0.0.1 and port 0 (the kernel picks a free one), so launches never collide. It
-  starts through `lessonlib._agent_main`, which only adds that it dies if this process dies.
+  starts through `lessonlib._agent_main`, which only adds that if this process dies, the agent
+  ends the run itself: every process of it killed, the run folder removed.
 - Every rank starts in `lessonlib._rank_main`, which sends its stdout and stderr to files of its own
   in the run folder (lessonlib._runfolder): nothing goes through a pipe, so nothing can deadlock
   however much a rank prints, and torchrun's own banner and warnings stay apart from the ranks'.

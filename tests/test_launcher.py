@@ -594,9 +594,11 @@ def test_run_bounded_reaches_a_bounded_command_inside_a_bounded_command():
         "import sys\nfrom lessonlib.runprocs import run_bounded\n"
         + f"run_bounded([sys.executable, '-c', {detached!r}], 600)"
     )
-    done = run_bounded([sys.executable, "-c", inner], 8)
+    tag = uuid.uuid4().hex  # this test's processes only: others running beside it sleep(600) too
+    done = run_bounded([sys.executable, "-c", inner], 8, env={**os.environ, "TEST_TAG": tag})
     assert done.timed_out, done
-    marked = [p for p in psutil.process_iter() if not _gone(p.pid) and "time.sleep(600)" in " ".join(p.cmdline())]
+    time.sleep(0.5)  # killed processes finish dying
+    marked = [p for p in processes_with_env("TEST_TAG", tag) if not _gone(p.pid)]
     assert marked == [], f"left running: {marked}"
 
 
