@@ -20,6 +20,7 @@ Every run is bounded (lessonlib.runprocs.run_bounded: everything it started is k
 import contextlib
 import importlib.util
 import json
+import os
 import re
 import socket
 import sys
@@ -202,8 +203,14 @@ def debugpy_command(c, port, file, wait):
     return head + (["--wait-for-client"] if wait else []) + ["-m", c["module"], *(expand(a, file) for a in c["args"])]
 
 
+def own_tmp(tmp_path):
+    """This process's environment with a TMPDIR of the test's: torchrun's torchelastic_* log folder lands
+    there, not in /tmp for good, as it would for a reader's run without --log-dir."""
+    return {**os.environ, "TMPDIR": str(tmp_path)}
+
+
 @pytest.mark.timeout(TIMEOUT + 30)
-def test_one_rank_configuration_debugs_the_rank_under_torchrun():
+def test_one_rank_configuration_debugs_the_rank_under_torchrun(tmp_path):
     c = config("torchrun: this file, 1 rank")
     line = next(i for i, text in enumerate(LESSON.read_text().splitlines(), 1) if "dist.all_reduce(tensor)" in text)
     deadline = time.monotonic() + TIMEOUT
@@ -223,7 +230,9 @@ def test_one_rank_configuration_debugs_the_rank_under_torchrun():
 
     with consecutive_ports(1) as port:
         client = in_thread(lambda: vscode(port))
-        done = run_bounded(debugpy_command(c, port, LESSON, wait=True), TIMEOUT, cwd=expand(c["cwd"], LESSON))
+        done = run_bounded(
+            debugpy_command(c, port, LESSON, wait=True), TIMEOUT, cwd=expand(c["cwd"], LESSON), env=own_tmp(tmp_path)
+        )
     client["thread"].join(5)
     assert "error" not in client, f"{client.get('error')!r}\n{done.output[-3000:]}"
     assert client["result"] == ("breakpoint", "step_mean", line, "0"), client["result"]
@@ -232,7 +241,7 @@ def test_one_rank_configuration_debugs_the_rank_under_torchrun():
 
 
 @pytest.mark.timeout(TIMEOUT + 30)
-def test_ranks_wait_for_a_debugger_on_their_ports_and_go_on_once_attached():
+def test_ranks_wait_for_a_debugger_on_their_ports_and_go_on_once_attached(tmp_path):
     c = config("torchrun: 12_debug_one_rank, 2 ranks waiting for a debugger")
     nproc = int(re.search(r"--nproc_per_node=(\d+)", " ".join(c["args"])).group(1))
     deadline = time.monotonic() + TIMEOUT
@@ -246,7 +255,12 @@ def test_ranks_wait_for_a_debugger_on_their_ports_and_go_on_once_attached():
         base = agent_port + 1
         c = {**c, "args": [str(base) if a == "5678" else a for a in c["args"]]}
         client = in_thread(lambda: vscode(base))
-        done = run_bounded(debugpy_command(c, agent_port, LESSON, wait=False), TIMEOUT, cwd=expand(c["cwd"], LESSON))
+        done = run_bounded(
+            debugpy_command(c, agent_port, LESSON, wait=False),
+            TIMEOUT,
+            cwd=expand(c["cwd"], LESSON),
+            env=own_tmp(tmp_path),
+        )
     client["thread"].join(5)
     assert "error" not in client, f"{client.get('error')!r}\n{done.output[-3000:]}"
     for r in range(nproc):
