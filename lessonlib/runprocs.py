@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -145,13 +146,15 @@ class Finished:
         return self.stdout if self.stderr is None else self.stdout + self.stderr
 
 
-def run_bounded(argv, timeout, *, cwd=None, env=None, merge_output=True):
+def run_bounded(argv, timeout, *, cwd=None, env=None, merge_output=True, input=None):
     """Run `argv` in a session of its own for at most `timeout` seconds, then kill every process it
     started, whether it finished, timed out or was interrupted (Ctrl-C is re-raised after the kill).
 
-    `env`: the whole environment (default: this process's). Output is captured as text; with
-    merge_output, stderr goes into stdout. The command has ended when its own process exits, even if
-    something it left behind still holds its output open (output goes to files, not pipes, for that).
+    `env`: the whole environment (default: this process's). `input`: text written to its standard
+    input, which is then closed (chapter 12 types into pdb this way); without it, the command gets no
+    standard input. Output is captured as text; with merge_output, stderr goes into stdout. The
+    command has ended when its own process exits, even if something it left behind still holds its
+    output open (output goes to files, not pipes, for that).
     Never raises on failure or timeout: read the Finished.
     """
     env, mark = marked_environment(env)
@@ -161,11 +164,13 @@ def run_bounded(argv, timeout, *, cwd=None, env=None, merge_output=True):
             [str(a) for a in argv],
             cwd=cwd,
             env=env,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
             stdout=out,
             stderr=subprocess.STDOUT if merge_output else err,
             start_new_session=True,
         )
+        if input is not None:  # from a thread: a command that does not read must not block this one
+            threading.Thread(target=_write_and_close, args=(proc.stdin, input), daemon=True).start()
         timed_out = False
         try:
             proc.wait(timeout=timeout)
@@ -185,6 +190,12 @@ def run_bounded(argv, timeout, *, cwd=None, env=None, merge_output=True):
         time.monotonic() - started,
         timed_out,
     )
+
+
+def _write_and_close(pipe, text):
+    with contextlib.suppress(OSError):  # BrokenPipeError: the command ended without reading it all
+        pipe.write(text.encode())
+        pipe.close()
 
 
 def marked_environment(env=None):
@@ -239,8 +250,6 @@ def started(argv, timeout, *, cwd=None, env=None):
     """Run `argv` in the background while the with-block works with it (chapter 12: a job to inspect
     while it hangs); on leaving the block, or after `timeout` seconds, whichever comes first, every
     process it started is killed (run_bounded's rule). Yields a Started."""
-    import threading
-
     env, mark = marked_environment(env)
     with tempfile.NamedTemporaryFile(prefix="lessonlib-started-") as out:
         proc = subprocess.Popen(

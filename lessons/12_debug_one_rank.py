@@ -15,22 +15,16 @@ PYTHONBREAKPOINT=0 turns breakpoint() into a no-op without touching the code.
 WARNING, as scripts commonly set it up. The NaN warning is only in the last rank's file (asserted).
 --debugpy-port P: rank r listens for a debugger on 127.0.0.1, port P + r, and waits until one attaches
 (VS Code's "attach to rank r" in .vscode/launch.json).
-run_with_input() is for chapter 12's notebook: it runs a bare torchrun of this lesson and types into pdb.
 """
 
 import argparse
-import contextlib
 import logging
 import os
-import subprocess
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 
 import lessonlib
-from lessonlib.runprocs import Finished, kill_session, marked_environment
 
 PER_RANK = 4  # values of the global batch per rank
 DEBUG_TIMEOUT = 1800.0  # seconds: the default --pg-timeout while a person may sit in a debugger
@@ -91,45 +85,6 @@ def step_mean(step, ctx, log, pdb_rank):
     # [end: pdb]
     log.info("step %d: sum %g over %d values", step, tensor[0].item(), int(tensor[1].item()))
     return (tensor[0] / tensor[1]).item()
-
-
-def run_with_input(argv, feed, timeout, *, cwd=None, env=None):
-    """Run `argv` as a person at a terminal would, typing `feed` (lines; a number pauses that many
-    seconds) into its stdin, for at most `timeout` seconds; then every process it started is killed.
-
-    The notebook's way to drive pdb in one rank of a bare torchrun: run_bounded gives its command no
-    stdin. The ranks inherit torchrun's stdin, and only the rank stopped in pdb reads it.
-    """
-    env, mark = marked_environment({**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"})
-    started, timed_out = time.monotonic(), False
-    with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(
-            [str(a) for a in argv],
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            for item in feed:
-                if isinstance(item, str):
-                    proc.stdin.write(f"{item}\n".encode())
-                    proc.stdin.flush()
-                elif proc.poll() is None:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        left = max(0.0, started + timeout - time.monotonic())
-                        proc.wait(timeout=min(item, left))  # a pause at the keyboard, cut short if it ends
-            proc.stdin.close()
-            proc.wait(timeout=max(0.0, started + timeout - time.monotonic()))
-        except (subprocess.TimeoutExpired, BrokenPipeError):
-            timed_out = proc.poll() is None
-        finally:
-            kill_session(proc, mark)
-        out.seek(0)
-        text = out.read().decode("utf-8", errors="replace")
-    return Finished([str(a) for a in argv], proc.returncode, text, None, time.monotonic() - started, timed_out)
 
 
 def main():

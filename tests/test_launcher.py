@@ -669,3 +669,10 @@ def test_started_kills_everything_it_started(how):
     while not _gone(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(child), f"pid {child}, started by the command in a session of its own, outlived it"
+
+
+def test_run_bounded_types_its_input_and_a_command_that_never_reads_it_still_ends():
+    done = run_bounded([sys.executable, "-c", "print(input()[::-1]); print(input())"], 60, input="abc\nxyz\n")
+    assert done.returncode == 0 and done.output.split() == ["cba", "xyz"], done
+    ignores = run_bounded([sys.executable, "-c", "import time; time.sleep(1)"], 60, input="x" * 200_000)
+    assert ignores.returncode == 0 and not ignores.timed_out and ignores.seconds < 30, ignores
