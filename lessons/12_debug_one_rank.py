@@ -14,7 +14,7 @@ PYTHONBREAKPOINT=0 turns breakpoint() into a no-op without touching the code.
 --log-dir DIR: Python logging to DIR/rank{r}.log, one file per rank, rank 0 at INFO and the others at
 WARNING, as scripts commonly set it up. The NaN warning is only in the last rank's file (asserted).
 --debugpy-port P: rank r listens for a debugger on 127.0.0.1, port P + r, and waits until one attaches
-(VS Code's "attach to rank r" in .vscode/launch.json).
+(VS Code's "attach to rank r" in .vscode/launch.json), for at most --pg-timeout seconds.
 """
 
 import argparse
@@ -58,12 +58,19 @@ def rank_logger(log_dir, rank):
 
 
 # [start: debugpy]
-def wait_for_debugger(port, rank):
+def wait_for_debugger(port, rank, timeout):
+    import threading
+
     import debugpy  # ships with ipykernel, which requirements.txt installs
 
     debugpy.listen(("127.0.0.1", port + rank))  # one port per rank: VS Code attaches to each
     print(f"rank {rank}: debugpy listening on 127.0.0.1:{port + rank}, waiting for a debugger", flush=True)
+    bound = threading.Timer(timeout, debugpy.wait_for_client.cancel)  # this wait has a bound too
+    bound.start()
     debugpy.wait_for_client()
+    bound.cancel()
+    if not debugpy.is_client_connected():
+        raise TimeoutError(f"rank {rank}: no debugger attached to port {port + rank} within {timeout:g} s")
     print(f"rank {rank}: debugger attached", flush=True)
 
 
@@ -99,7 +106,7 @@ def main():
     timeout = args.pg_timeout if args.pg_timeout is not None else DEBUG_TIMEOUT if debugging else 30.0
     ctx = lessonlib.setup(device="cpu", timeout=timeout)
     if args.debugpy_port is not None:
-        wait_for_debugger(args.debugpy_port, ctx.rank)
+        wait_for_debugger(args.debugpy_port, ctx.rank, timeout)
     log = rank_logger(args.log_dir, ctx.rank)
     log.info("world size %d, collectives wait at most %g s", ctx.world_size, timeout)
     for step in range(args.steps):

@@ -272,7 +272,10 @@ def test_interrupt_kills_the_run(tmp_path, interrupts):
 
 BAD_INPUTS = [
     ("nproc=0", dict(nproc=0), ValueError, "nproc"),
+    ("nproc=-1", dict(nproc=-1), ValueError, "nproc must be from 1 to"),
     ("nproc=17", dict(nproc=17), ValueError, "nproc"),
+    ("nproc=10000", dict(nproc=10000), ValueError, "nproc must be from 1 to"),
+    ("nproc='abc'", dict(nproc="abc"), ValueError, "nproc must be an int"),
     ("nproc=2.5", dict(nproc=2.5), ValueError, "int"),
     ("nproc=True", dict(nproc=True), ValueError, "int"),
     ("nproc='2'", dict(nproc="2"), ValueError, "int"),
@@ -295,17 +298,24 @@ BAD_INPUTS = [
 @pytest.mark.parametrize(
     "kwargs, error, keyword", [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS]
 )
-def test_bad_input_is_refused_before_anything_starts(kwargs, error, keyword, monkeypatch):
+def test_bad_input_is_refused_before_anything_starts(kwargs, error, keyword, monkeypatch, tmp_path):
+    """Refused in well under a second, with a message that names the mistake, before any process is
+    spawned (subprocess or psutil) and before any run folder exists (TMPDIR is the test's own)."""
     if kwargs.get("backend") == "nccl" and list(Path("/dev").glob("nvidia[0-9]*")):
         pytest.skip("this machine has an NVIDIA GPU, so backend='nccl' is not a bad input here")
     spawned = []
-    real_popen = psutil.Popen
 
-    def spy(*a, **kw):
-        spawned.append(a[0] if a else kw.get("args"))
-        return real_popen(*a, **kw)
+    def spy(real):
+        def popen(*a, **kw):
+            spawned.append(a[0] if a else kw.get("args"))
+            return real(*a, **kw)
 
-    monkeypatch.setattr(psutil, "Popen", spy)
+        return popen
+
+    monkeypatch.setattr(psutil, "Popen", spy(psutil.Popen))
+    monkeypatch.setattr(subprocess, "Popen", spy(subprocess.Popen))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # Python reads TMPDIR again
     call = {"script": LAUNCH_LESSON, "nproc": 2, "timeout": 30, "show": "none", **kwargs}
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     t0 = time.monotonic()
@@ -317,6 +327,7 @@ def test_bad_input_is_refused_before_anything_starts(kwargs, error, keyword, mon
     assert took < 1.0, f"refusing took {took:.2f} s"
     assert spawned == [], f"started {spawned} before refusing"
     assert after <= before, f"new child processes: {after - before}"
+    assert list(tmp_path.iterdir()) == [], "made a run folder before refusing"
 
 
 # --------------------------------------------------------------------------- several launches
