@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/launch_overhead.py
 	$(BIN)/python benchmarks/collectives.py
 	$(BIN)/python benchmarks/amp.py
+	$(BIN)/python benchmarks/sharding.py
 
 # Format and lint-fix everything ruff covers (pyproject.toml [tool.ruff]); tests/test_style.py checks it.
 format: $(STAMP)

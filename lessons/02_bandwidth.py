@@ -8,8 +8,10 @@ calls). A collective is as slow as its slowest rank, so each size's time is the 
 of the per-call mean. Two bandwidths follow, as in nccl-tests:
   algbw = S / t, where S is the data one rank ends up with (all_reduce, broadcast: the tensor;
           all_gather: the gathered output; reduce_scatter: the input it reduces);
-  busbw = algbw x factor, the rate each rank's link really carries: 2(n-1)/n for all_reduce,
-          (n-1)/n for all_gather and reduce_scatter, 1 for broadcast. Comparable across world sizes.
+  busbw = algbw x factor, the rate each rank's link carries under the ring algorithm: 2(n-1)/n for
+          all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for broadcast. Comparable across
+          world sizes. (gloo's reduce_scatter is an all-reduce underneath and moves twice the ring's
+          bytes: chapter 13 measures the bytes each rank sends.)
 Beside them: this machine's memory-copy bandwidth (every rank copying at once, as during a collective),
 the ceiling for any transfer between processes on one machine.
 """
@@ -31,7 +33,7 @@ def bus_factor(op, n):
     return {
         "all_reduce": 2 * (n - 1) / n,
         "all_gather": (n - 1) / n,
-        "reduce_scatter": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,  # the ring's; gloo's sends twice this (chapter 13)
         "broadcast": 1.0 if n > 1 else 0.0,
     }[op]
 

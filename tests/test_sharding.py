@@ -48,7 +48,7 @@ def test_traffic_follows_the_ring_model(n):
 def test_plan_says_what_fits():
     rows = {r["strategy"]: r for r in plan(7_000_000_000, 8, memory=80e9)}
     assert [r["fits"] for r in rows.values()] == [False, True, True, True]
-    assert rows["fsdp"]["sent / ddp's"] == pytest.approx(1.5) and rows["ddp"]["sent / ddp's"] == 1.0
+    assert rows["fsdp"]["sent vs ddp"] == pytest.approx(1.5) and rows["ddp"]["sent vs ddp"] == 1.0
     assert rows["ddp"]["total"] == 16 * 7_000_000_000
 
 
