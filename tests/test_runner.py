@@ -303,7 +303,13 @@ def test_ctrl_c_exits_130_without_a_traceback_and_leaves_no_process(hang_env):
             time.sleep(0.2)
         assert len(processes_with_env("TEST_TAG", env["TEST_TAG"])) >= 4  # torchrun, 2 ranks, a grandchild
         os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends the runner (its ranks are in other sessions)
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            # Seen once, in a CI run on a 2-core machine at load 9: the runner had not ended a minute
+            # later, and no rank had printed its stack. Where the runner is stuck is the evidence.
+            stack = run_bounded([str(Path(sys.executable).parent / "py-spy"), "dump", "--pid", str(proc.pid)], 30)
+            pytest.fail(f"the runner had not ended 60 s after SIGINT; its stack (py-spy):\n{stack.output}")
     finally:
         kill_session(proc)
         kill_marked(mark)
