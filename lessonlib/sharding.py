@@ -13,7 +13,9 @@ The bytes sent are measured, not assumed: `/proc/self/io`'s `wchar` counts every
 passed to write() or send(), and gloo moves tensors over TCP sockets, so the difference around a step
 is what the rank really sent (nothing else may write meanwhile: no print inside the block). Other
 systems have no /proc: `sent` is then None and the lessons say so. The calls are counted by a
-TorchDispatchMode, which sees every c10d collective, the ones DDP's C++ reducer issues included.
+TorchDispatchMode, which sees every c10d collective started on this thread, the ones DDP's C++
+reducer issues during backward included; not those started from callbacks on gloo's own threads
+(PowerSGD's, chapter 14), whose bytes `sent` still counts.
 """
 
 import math
