@@ -294,8 +294,9 @@ def test_ctrl_c_exits_130_without_a_traceback_and_leaves_no_process(hang_env):
         text=True,
         start_new_session=True,
         # SIGINT at its default, as in a terminal. A process started with SIGINT ignored keeps it
-        # ignored (Python installs no KeyboardInterrupt then, as a shell's background job expects), and
-        # a pytest worker can pass that on: it made this test fail twice in CI, the runner never told.
+        # ignored (Python installs no KeyboardInterrupt then), and the test suite can pass that on: run
+        # as a background job of a non-interactive shell (`make test &` in a script), every process of
+        # it starts with SIGINT ignored. That made this test fail twice, the runner never told.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         env={**os.environ, **env, MARK: mark},
     )
