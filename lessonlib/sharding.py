@@ -80,11 +80,8 @@ class _CountCollectives(TorchDispatchMode):
             self.calls[name] += 1
             # The input: the first tensor argument (or list of them); outputs come first only for
             # the *_base_ and gather forms, whose input is the second.
-            tensors = [t for a in args for t in _tensors(a)]
-            if packet.__name__ in ("_allgather_base_", "_reduce_scatter_base_", "allgather_", "reduce_scatter_"):
-                given = list(_tensors(args[1]))
-            else:
-                given = list(_tensors(args[0])) if args else tensors
+            second = packet.__name__ in ("_allgather_base_", "_reduce_scatter_base_", "allgather_", "reduce_scatter_")
+            given = _tensors(args[1] if second else args[0]) if args else ()
             self.payload[name] += sum(t.numel() * t.element_size() for t in given)
         return func(*args, **(kwargs or {}))
 
