@@ -101,7 +101,7 @@ def run(args):
     )
     shard = Subset(test_set, range(rank, len(test_set), world_size))  # no padding: each sample counted once
     test_loader = DataLoader(shard, batch_size=128)
-    model = DDP(digits.small_cnn().to(device))
+    model = DDP(digits.small_cnn().to(device), device_ids=[ctx.local_rank] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     torch.manual_seed(args.seed + rank)  # but each rank its own augmentation draws (chapter 4)
     # [start: amp]
@@ -138,7 +138,13 @@ def run(args):
         path = args.save or os.path.join(folder[0], "ch11.pt")
         if is_main:  # one writer; model.module: the keys of the plain model, without "module."
             digits.save_atomic(
-                {"model": model.module.state_dict(), "scaler": scaler.state_dict(), "epochs": args.epochs}, path
+                {
+                    "model": model.module.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "scaler": scaler.state_dict(),
+                    "epochs": args.epochs,
+                },
+                path,
             )
         dist.barrier()  # nobody reads the file before rank 0 has written all of it
         saved = torch.load(path, map_location=device)["model"]
