@@ -108,10 +108,7 @@ def render_map(secs):
         if by_kind[kind]:
             items = ", ".join(f"{_name(s.title)} ({s.minutes} min)" for s in by_kind[kind])
             lines.append(f"- **{names[kind]}**: {items}.")
-    lines.append(
-        "\nEach section says under its heading which it is. The core is what a DDP job needs; a deep dive "
-        "shows how or why, and can wait. Times are estimates from the text and code."
-    )
+    lines.append("\nThe core is what a DDP job needs; a deep dive shows how or why, and can wait. Times are estimates.")
     lines.append(":::")
     return "\n".join(lines)
 

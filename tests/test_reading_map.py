@@ -1,0 +1,100 @@
+"""Core sections, deep dives and reading times (lessonlib.readingmap): one style across the book.
+
+Every `## ` section of every chapter has a label `*Core · N min*`, `*Deep dive · N min*` or
+`*Exercise · N min*` under its heading, N close to what its text and code take to read; every chapter
+opens with a reading map made from those labels. The first test reads the real chapters; the others
+specify the module on small notebooks written here.
+"""
+
+import json
+
+import pytest
+
+from lessonlib import readingmap
+
+
+@pytest.mark.parametrize("chapter", readingmap.chapters(), ids=lambda p: p.stem)
+def test_every_section_is_labelled_and_the_map_agrees(chapter):
+    bad = readingmap.problems(chapter)
+    assert not bad, "\n".join(bad) + "\n(python -m lessonlib.readingmap rewrites the minutes and the maps)"
+
+
+def test_every_chapter_has_a_core():
+    for chapter in readingmap.chapters():
+        kinds = {s.kind for s in readingmap.sections(chapter)}
+        assert "Core" in kinds, f"{chapter.name} has no core section"
+
+
+def notebook(tmp_path, *markdown, code_cells=0, name="99_test.ipynb"):
+    cells = [
+        {"cell_type": "markdown", "id": f"m{i}", "metadata": {}, "source": text} for i, text in enumerate(markdown)
+    ]
+    cells += [
+        {"cell_type": "code", "id": f"c{i}", "metadata": {}, "source": "x = 1", "outputs": [], "execution_count": None}
+        for i in range(code_cells)
+    ]
+    path = tmp_path / name
+    path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    return path
+
+
+def test_estimate_counts_prose_code_and_the_time_an_exercise_takes():
+    prose = {"cell_type": "markdown", "source": "word " * (readingmap.READING_WPM * 3)}
+    code = {"cell_type": "code", "source": "x = 1"}
+    assert readingmap.estimate([prose], "Core") == 3
+    assert readingmap.estimate([prose, code, code], "Core") == 4
+    assert readingmap.estimate([prose], "Exercise") == 3 + readingmap.EXERCISE_MIN
+    assert readingmap.estimate([], "Core") == 1  # never 0
+
+
+def test_write_labels_each_section_and_makes_the_map(tmp_path):
+    long = "word " * 900  # 5 minutes
+    path = notebook(
+        tmp_path,
+        "# 99. Title\n\nThe question.",
+        f"## First\n\n{long}",
+        "## Second part\n\nshort",
+        "## Exercise\n\nDo it.",
+    )
+    assert readingmap.problems(path)[0].endswith("has no label '*KIND · N min*' under its heading")
+    readingmap.write(path, {"First": "Core", "Second part": "Deep dive", "Exercise": "Exercise"})
+    assert readingmap.problems(path) == []
+    secs = readingmap.sections(path)
+    assert [(s.title, s.kind, s.minutes) for s in secs] == [
+        ("First", "Core", 6),  # 900 words + the label's, rounded up
+        ("Second part", "Deep dive", 1),
+        ("Exercise", "Exercise", 11),
+    ]
+    cells = json.loads(path.read_text())["cells"]
+    assert "".join(cells[2]["source"]).startswith("## First\n*Core · 6 min*\n")
+    the_map = "".join(cells[1]["source"])
+    assert the_map.startswith(":::{admonition} Reading map: the core in 6 min, the whole chapter in 18 min")
+    assert "- **Deep dives**: *Second part* (1 min)." in the_map
+    # Writing again changes nothing.
+    assert readingmap.write(path) is False
+
+
+def test_a_stale_map_or_a_wrong_time_is_reported(tmp_path):
+    path = notebook(tmp_path, "# 99. T", "## A\n\n" + "word " * 1800)
+    readingmap.write(path, {"A": "Core"})
+    text = path.read_text().replace("*Core · 11 min*", "*Core · 3 min*")
+    path.write_text(text)
+    bad = readingmap.problems(path)
+    assert any("says 3 min, its text reads in about 11" in b for b in bad), bad
+    assert any("the reading map does not match" in b for b in bad), bad
+
+
+def test_a_section_needs_a_known_kind(tmp_path):
+    path = notebook(tmp_path, "# 99. T", "## A\n\ntext")
+    with pytest.raises(ValueError, match=r"section 'A' needs a kind, one of \('Core', 'Deep dive', 'Exercise'\)"):
+        readingmap.write(path, {"A": "Optional"})
+
+
+def test_the_short_path_takes_core_sections_only(tmp_path):
+    notebook(tmp_path, "# 99. T", "## Basics\n\ntext", "## Internals\n\ntext")
+    readingmap.write(tmp_path / "99_test.ipynb", {"Basics": "Core", "Internals": "Deep dive"})
+    assert [s.title for s in readingmap.path_rows([("99_test", "Bas")], book=tmp_path)] == ["Basics"]
+    with pytest.raises(ValueError, match="is Deep dive, and the short path takes core only"):
+        readingmap.path_rows([("99_test", "Internals")], book=tmp_path)
+    with pytest.raises(ValueError, match="0 sections start with 'Nothing'"):
+        readingmap.path_rows([("99_test", "Nothing")], book=tmp_path)
