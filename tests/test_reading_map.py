@@ -7,6 +7,8 @@ specify the module on small notebooks written here.
 """
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +100,36 @@ def test_the_short_path_takes_core_sections_only(tmp_path):
         readingmap.path_rows([("99_test", "Internals")], book=tmp_path)
     with pytest.raises(ValueError, match="0 sections start with 'Nothing'"):
         readingmap.path_rows([("99_test", "Nothing")], book=tmp_path)
+
+
+# A code cell that teaches: it launches or checks a lesson, defines or imports something, or shows code.
+TEACHES = re.compile(
+    r"lessonlib\.launch\(|panel\(|check_function|^def |^import |^from |show_code|run_python|run_bounded", re.M
+)
+# A code cell that only presents a result: a table, a plot.
+PRESENTS = re.compile(r"show_table\(|plt\.|plot_ranks|\bax\.")
+
+
+def plumbing_cells(path):
+    """Indices of code cells that only make tables and plots (and check them): the notebook's plumbing."""
+    cells = json.loads(Path(path).read_text())["cells"]
+    return [
+        i
+        for i, c in enumerate(cells)
+        if c["cell_type"] == "code"
+        and PRESENTS.search("".join(c["source"]))
+        and not TEACHES.search("".join(c["source"]))
+    ]
+
+
+@pytest.mark.parametrize("notebook", [*readingmap.chapters(), readingmap.BOOK / "start.ipynb"], ids=lambda p: p.stem)
+def test_plumbing_is_folded_in_the_book(notebook):
+    """Tables and plots stay; the code that makes them folds away (hide-input), so that the code a page
+    shows unfolded is the lesson's: its launches, its exercises, and the lesson code it captions."""
+    cells = json.loads(notebook.read_text())["cells"]
+    unfolded = [
+        i
+        for i in plumbing_cells(notebook)
+        if not {"hide-input", "remove-input"} & set(cells[i].get("metadata", {}).get("tags", []))
+    ]
+    assert not unfolded, f"{notebook.name}: code cells {unfolded} only make tables or plots; tag them hide-input"
