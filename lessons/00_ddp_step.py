@@ -112,12 +112,12 @@ def main():
             assert first["launch"] < times["backward_end"], f"rank {rank}: bucket 0 launched after backward returned"
 
     lessonlib.report("step", {"rows": [mine.start, mine.stop - 1], "times": times, "buckets": buckets})
+    ms = {k: 1000 * (v - times["start"]) for k, v in times.items()}
+    print(
+        f"rank {rank}: rows {mine.start}-{mine.stop - 1} of {args.batch}; forward {ms['forward_end']:.1f} ms, "
+        f"backward to {ms['backward_end']:.1f} ms ({len(buckets)} buckets), step to {ms['step_end']:.1f} ms"
+    )
     if ctx.is_main:
-        ms = {k: 1000 * (v - times["start"]) for k, v in times.items()}
-        print(
-            f"{world} ranks x {rows} rows; step {args.steps - 1}: forward {ms['forward_end']:.1f} ms, "
-            f"backward to {ms['backward_end']:.1f} ms with {len(buckets)} buckets, optimizer to {ms['step_end']:.1f} ms"
-        )
         print("every rank: the whole batch's gradient, and the same weights after the step (asserted)")
     lessonlib.teardown()
 
