@@ -1,6 +1,9 @@
-"""What a launch left behind, read into a RunResult, and how its failure is told (chapter 1).
+"""What a launch left behind, read into a RunResult, and which rank failed first (chapter 1).
 
     run.ok, run.ranks[1].stdout, run.root_cause, run.raise_for_status()
+
+How a run is told (its status line, one line per rank, the failure story, the HTML and text views) is
+lessonlib.display's; the methods here that return text call it.
 
 `read_result` builds the RunResult from two sources. The ranks' own records in the run folder
 (lessonlib._runfolder) come first: their output, when each started and ended, the exception that
@@ -62,6 +65,7 @@ class RunResult:
     interrupted: bool = False
     leftovers: list = field(default_factory=list)  # processes that outlived the run and were killed
     agent_pids: list = field(default_factory=list)  # torchrun agent pid per node, in --node-rank order
+    _shown_in_cell = None  # not a field: the IPython cell whose launch view showed this run (lessonlib.display)
 
     @property
     def world_size(self):
@@ -126,68 +130,11 @@ class RunResult:
         return self
 
     def describe_failure(self):
-        if self.ok:
-            return f"{self.script}: all {self.world_size} ranks exited 0"
-        if self.timed_out or self.interrupted:
-            return self._describe_stopped()
-        return self._describe_failed()
+        """What went wrong: a headline, one line per rank (how it ended, where it was), then the root
+        cause's traceback and the stacks of ranks that were stopped (the text lives in lessonlib.display)."""
+        from .display import describe_failure
 
-    def _describe_stopped(self):
-        what = f"timed out after {self.timeout:g} s" if self.timed_out else "was interrupted"
-        stuck = [r for r in self.ranks if r.status in ("hung", "interrupted")]
-        if not stuck:
-            return (
-                f"{self.script} {what} before any rank had started its script (torchrun was "
-                f"still starting; everything was killed). torchrun said:\n{_tail(self.launcher_output, 30)}"
-            )
-        lines = [
-            f"{self.script} {what}; rank(s) {_list(r.rank for r in stuck)} were still "
-            "running and were killed. Their Python stacks at that moment:"
-        ]
-        for r in stuck:
-            lines += [
-                f"--- rank {r.rank} stack ---",
-                _stack_dump(r.stderr) or _tail(r.stderr, 30) or "(no stack printed)",
-            ]
-        cause = self.root_cause
-        if cause is not None:
-            lines += [f"Before that, rank {cause.rank} failed:", cause.traceback or cause.error]
-        return "\n".join(lines)
-
-    def _describe_failed(self):
-        cause = self.root_cause
-        lines = [f"{self.script} failed on rank(s) {_list(self.failed_ranks)} of {self.world_size}."]
-        if cause is None:
-            lines.append("No rank recorded an error; torchrun said:")
-            lines.append(_tail(self.launcher_output, 30))
-            return "\n".join(lines)
-        when = f" at +{cause.end - self.ranks_start:.2f} s" if cause.end and self.ranks_start else ""
-        lines.append(
-            f"First failure (root cause): rank {cause.rank} exited {cause.exitcode}{when}"
-            + (f" with {cause.error}" if cause.error else "")
-        )
-        early = self.left_early
-        if early:
-            lines.append(
-                f"But rank(s) {_list(early)} exited 0 before that, while the others still called collectives: "
-                "a rank that leaves early reads as 'Connection closed by peer' on the others. Look there first."
-            )
-        for r in self.ranks:
-            if r.ok or r is cause:
-                continue
-            lines.append(
-                f"Then rank {r.rank}: {r.status}"
-                + (f", exit code {r.exitcode}" if r.exitcode is not None else "")
-                + (f" ({r.error})" if r.error else "")
-            )
-            stack = _stack_dump(r.stderr) if r.status == "terminated" else ""
-            if stack:
-                lines += [f"    where rank {r.rank} was when it was stopped:", "    " + stack.replace("\n", "\n    ")]
-        lines += [
-            f"--- rank {cause.rank} traceback ---",
-            cause.traceback or _tail(cause.stderr, 30) or "(no traceback: see its stderr)",
-        ]
-        return "\n".join(lines)
+        return describe_failure(self)
 
     @property
     def ranks_start(self):
@@ -199,10 +146,24 @@ class RunResult:
 
         return render_html(self)
 
+    def _ipython_display_(self):
+        # As _repr_html_, but not again in the cell whose launch view already shows this run.
+        from .display import display_result
+
+        display_result(self)
+
     def __str__(self):
         from .display import render_text
 
         return render_text(self)
+
+    def __repr__(self):
+        # Short: the ranks' whole output is in str(run), and a repr is what a REPL or a failed assert prints.
+        state = "ok" if self.ok else "timed out" if self.timed_out else "interrupted" if self.interrupted else "failed"
+        return (
+            f"<RunResult {self.script} {state}: {self.world_size} rank(s), failed {self.failed_ranks}, "
+            f"{self.wall_time:.2f} s>"
+        )
 
 
 COLLATERAL = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Socket closed|recvValue failed", re.I)
@@ -211,28 +172,6 @@ COLLATERAL = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Socket c
 def _is_collateral(rank):
     """True when a rank's error only says that another rank went away."""
     return bool(COLLATERAL.search(rank.error or ""))
-
-
-def _list(items):
-    return ", ".join(str(i) for i in items)
-
-
-def _tail(text, n):
-    return "\n".join(text.rstrip("\n").splitlines()[-n:])
-
-
-def _stack_dump(stderr):
-    """The faulthandler dump in a rank's stderr (from its first 'Thread 0x' line), or '' if none."""
-    hits = [i for i in (stderr.find("Thread 0x"), stderr.find("Current thread 0x")) if i >= 0]
-    if not hits:
-        return ""
-    # The frames below the lesson (runpy, lessonlib._rank_main) are the launcher's, not the lesson's.
-    lines = [
-        ln
-        for ln in stderr[min(hits) :].splitlines()
-        if "<frozen runpy>" not in ln and "lessonlib/_rank_main.py" not in ln
-    ]
-    return "\n".join(lines).rstrip()
 
 
 # --------------------------------------------------------------------------- reading a run folder

@@ -8,8 +8,8 @@
 `[rank N]` prefix, the run is bounded by --timeout, and no process of it outlives it. Afterwards
 --columns shows the ranks side by side, as wide as the terminal. Options for the lesson itself go
 after `--`. Exit status: 0 when every rank exited 0; 1 when a rank failed, and the last lines on
-stderr name the first rank that failed with its error; 124 on timeout; 130 on Ctrl-C; 2 for bad
-input, before anything starts.
+stderr say how each rank ended and where it was, then name the first rank that failed with its error;
+124 on timeout; 130 on Ctrl-C; 2 for bad input, before anything starts.
 
 `list` and `--help` read files only (docstrings with ast, chapter titles from the notebooks with
 json): they do not import torch, or even the launcher.
@@ -25,6 +25,8 @@ import signal
 import sys
 from pathlib import Path
 
+# How a run is told is the display's (the same words as in a notebook); the display imports no torch.
+from .display import MIN_COLUMN, describe_failure, failure_line, render_columns  # noqa: F401
 from .launchspec import MAX_NPROC, MAX_TIMEOUT  # the launcher's bounds, without importing the launcher
 
 ROOT = Path(__file__).resolve().parent.parent  # the course checkout: lessons/ and book/ live here
@@ -32,7 +34,6 @@ LESSON_GLOB = "lessons/[0-9][0-9]_*.py"
 NOTEBOOK_GLOB = "book/[0-9][0-9]_*.ipynb"
 DEFAULT_NPROC = 2  # for a script whose docstring names no world size
 DEFAULT_TIMEOUT = 300.0
-MIN_COLUMN = 24  # characters; narrower than this, ranks wrap onto another row of columns
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_INTERRUPTED = 0, 1, 2, 124, 130
 
 RUN_EPILOG = f"""\
@@ -219,68 +220,12 @@ def run_lesson(script, nproc=None, timeout=DEFAULT_TIMEOUT, args=(), columns=Fal
         sys.stdout.flush()
     if result.ok:
         return EXIT_OK
-    sys.stderr.write(result.describe_failure().rstrip("\n") + "\n")
+    # Every traceback and stack was shown above as it came, [rank N]-prefixed: here one line per rank,
+    # then the verdict, not those tracebacks again.
+    sys.stderr.write(describe_failure(result, details=False) + "\n")
     sys.stderr.write(f"lessonlib run: {failure_line(result)}\n")
     sys.stderr.flush()
     return EXIT_TIMEOUT if result.timed_out else EXIT_FAILED
-
-
-def failure_line(result):
-    """One line: what went wrong, naming the rank and its error."""
-    cause = result.root_cause
-    first = ""
-    if cause is not None:
-        first = f"rank {cause.rank} failed first" + (
-            f" with {cause.error}" if cause.error else f", exit code {cause.exitcode}"
-        )
-    if result.timed_out:
-        stuck = [r.rank for r in result.ranks if r.status == "hung"]
-        line = f"{result.script} timed out after {result.timeout:g} s (--timeout)"
-        if stuck:
-            line += f"; rank(s) {', '.join(map(str, stuck))} were still running and were killed"
-        return line + (f"; before that, {first}" if first else "")
-    line = f"{result.script} failed on rank(s) {', '.join(map(str, result.failed_ranks))} of {result.world_size}"
-    return line + (f": {first}" if first else "")
-
-
-def _exit_text(rank):
-    if rank.status == "ok":
-        return "exit 0"
-    code = f"exit {rank.exitcode}" if rank.exitcode is not None else "no exit code"
-    return code if rank.status == "failed" else f"{rank.status}, {code}"
-
-
-def _wrap(line, width):
-    line = line.expandtabs(4).rstrip()
-    return [line[i : i + width] for i in range(0, len(line), width)] or [""]
-
-
-def render_columns(result, width):
-    """Each rank's output in a column of its own, as many columns per row as fit in `width` characters."""
-    sep = " | "
-    n = len(result.ranks)
-    per_row = max(1, min(n, (width + len(sep)) // (MIN_COLUMN + len(sep))))
-    col = max(8, (width - len(sep) * (per_row - 1)) // per_row)
-    blocks = []
-    for start in range(0, n, per_row):
-        ranks = result.ranks[start : start + per_row]
-        cells = []
-        for r in ranks:
-            lines = [f"rank {r.rank} ({_exit_text(r)})", "-" * col]
-            for text in r.stdout.splitlines():
-                lines += _wrap(text, col)
-            if r.stderr.strip():
-                lines.append("-- stderr --")
-                for text in r.stderr.splitlines():
-                    lines += _wrap(text, col)
-            cells.append(lines)
-        height = max(len(c) for c in cells)
-        rows = []
-        for i in range(height):
-            parts = [(c[i] if i < len(c) else "").ljust(col) for c in cells]
-            rows.append(sep.join(parts).rstrip())
-        blocks.append("\n".join(rows))
-    return "\n\n".join(blocks)
 
 
 # --------------------------------------------------------------------------- command line

@@ -86,12 +86,13 @@ def unified(first, second, context=2):
 
 def show_diff(first, second, context=2):
     """The unified diff of two Texts as highlighted code (a `diff` block) in the book, Jupyter and VS Code."""
-    return Code(unified(first, second, context).rstrip("\n"), "diff")
+    caption = f"diff · {first.name} → {second.name}"
+    return Code(unified(first, second, context).rstrip("\n"), "diff", caption=caption)
 
 
 def show_file(path):
     """A whole file as highlighted Python, for a script shown in full (the Start page's train_ddp.py)."""
-    return Code(read(path, docstring=True).text.rstrip("\n"), "python")
+    return Code(read(path, docstring=True).text.rstrip("\n"), "python", caption=f"{path} · whole file")
 
 
 def changed_lines(first, second):

@@ -4,8 +4,10 @@ The pages are the book test's: the session fixture `built_book` (tests/conftest.
 chapter and builds the HTML once, and this module, run alone, builds it itself. A local HTTP server
 serves them on 127.0.0.1 and Debian's headless Chromium, driven by Playwright, visits every page once:
 no console error, no failed request and none to another host (the book depends on no CDN), every
-image loaded, every code block highlighted, every chapter that launches a lesson showing two ranks
-side by side, every embedded widget view rendered, and no critical accessibility violation (axe-core,
+image loaded, every code block highlighted, every chapter that launches a lesson showing its ranks
+side by side (a failed run one line per rank first, its tracebacks folded, no build-machine path; four
+ranks in readable columns; no run twice), lesson code captioned with its file, every embedded widget
+view rendered, and no critical accessibility violation (axe-core,
 which axe-playwright-python bundles). Then every internal link is followed, search is tried offline,
 and the reader's other path is walked for real: JupyterLab opens chapter 1 and runs it down to its
 first launch, whose ranks fill their panes.
@@ -177,7 +179,7 @@ WAIT_FOR_IMAGES = """async () => {
 }"""
 
 # Everything the checks need from one page, in one round trip.
-PAGE_FACTS = r"""() => {
+PAGE_FACTS = r"""(root) => {
   const shown = el => {
     const box = el.getBoundingClientRect(), style = getComputedStyle(el);
     // checkVisibility: a closed <details> (a hide-cell toggle) lays its content out all the same.
@@ -194,20 +196,56 @@ PAGE_FACTS = r"""() => {
     return {language, tokens: tokens.length, text: pre.textContent.trim().slice(0, 80),
             coloured: tokens.some(t => getComputedStyle(t).color !== plain)};
   });
+  // Each run view (lessonlib.display): its head, the line per rank of a failed run, its columns (ranks
+  // that printed something), the ranks named on its one line for those that printed nothing, its folded
+  // tracebacks, and any absolute path of the build machine it shows (an environment's, the checkout's).
   const runs = Array.from(document.querySelectorAll(".lessonlib-run")).map(run => {
     const grid = Array.from(run.children).find(c => getComputedStyle(c).display === "grid");
+    const summary = run.querySelector(":scope > .lessonlib-summary");
+    const quiet = run.querySelector(":scope > .lessonlib-quiet");
     const columns = grid ? Array.from(grid.children).map(col => {
-      const pre = col.querySelector("pre"), box = col.getBoundingClientRect();
+      const box = col.getBoundingClientRect();
+      // textContent, not innerText: innerText is "" inside a closed toggle, which a reader opens.
+      const text = Array.from(col.querySelectorAll("pre")).map(pre => pre.textContent).join("\n");
       return {title: (col.querySelector("b") || {}).textContent || "", shown: shown(col),
-              // textContent, not innerText: innerText is "" inside a closed toggle, which a reader opens.
-              lines: pre && !pre.querySelector(".lessonlib-quiet") ?
-                pre.textContent.split("\n").filter(line => line.trim()).length : 0,
-              quiet: !!(pre && pre.querySelector(".lessonlib-quiet")),
-              left: box.left, top: box.top};
+              lines: text.split("\n").filter(line => line.trim()).length,
+              left: box.left, top: box.top, width: box.width};
     }) : [];
-    return {head: (run.firstElementChild || run).textContent.trim().slice(0, 120), columns};
+    const text = run.textContent;
+    return {head: (run.firstElementChild || run).textContent.trim().slice(0, 120),
+            worldSize: Number(run.dataset.worldSize || 0),
+            summary: summary ? {shown: shown(summary), bottom: summary.getBoundingClientRect().bottom,
+                                lines: Array.from(summary.children).map(li => li.textContent.trim())} : null,
+            gridTop: grid ? grid.getBoundingClientRect().top : null,
+            scrolls: grid ? grid.scrollWidth > grid.clientWidth + 1 : false,
+            quietRanks: quiet ? quiet.dataset.ranks.split(",").map(Number) : [],
+            tracebacks: Array.from(run.querySelectorAll("details.lessonlib-traceback")).map(d => ({
+              open: d.open, grey: d.querySelectorAll(".lessonlib-lib").length})),
+            longPaths: (text.match(/\/\S*?(site|dist)-packages\/\S*/g) || [])
+              .concat(root && text.includes(root + "/") ? [root + "/"] : []).slice(0, 3),
+            columns};
   });
-  return {title: document.title, images, links, blocks, runs};
+  // Cells that show more than one run view, each view as a hash of its text: the same run twice is a bug.
+  const hash = text => {
+    let h = 0;
+    for (let i = 0; i < text.length; i++) h = (h * 31 + text.charCodeAt(i)) | 0;
+    return h;
+  };
+  const repeated = Array.from(document.querySelectorAll("div.cell"))
+    .map(cell => Array.from(cell.querySelectorAll(".lessonlib-run")).map(run => hash(run.textContent)))
+    .filter(hashes => hashes.length > 1);
+  // Lesson code (lessonlib.show_code cells): its caption, and the code block inside the framed box.
+  const lessonCode = Array.from(document.querySelectorAll("div.cell.tag_lesson-code")).map(cell => {
+    const box = cell.querySelector(".lessonlib-code"), caption = cell.querySelector(".lessonlib-code-caption");
+    const pre = cell.querySelector("div.highlight pre");
+    return {caption: caption ? caption.textContent.trim() : null, shown: caption ? shown(caption) : false,
+            captionBottom: caption ? caption.getBoundingClientRect().bottom : null,
+            codeTop: pre ? pre.getBoundingClientRect().top : null,
+            rule: box ? parseFloat(getComputedStyle(box).borderLeftWidth) : 0,
+            framed: !!(box && pre && caption && box.contains(pre) && box.contains(caption))};
+  });
+  const captionedOwnCells = document.querySelectorAll("div.cell:not(.tag_lesson-code) .lessonlib-code-caption").length;
+  return {title: document.title, images, links, blocks, runs, repeated, lessonCode, captionedOwnCells};
 }"""
 
 # Each embedded widget view, and whether it rendered: html-manager puts the view in an element beside its
@@ -289,7 +327,7 @@ def visit(book_html, site, browser):
             watch(page, traffic, name)
             page.goto(site + name, wait_until="load")
             page.evaluate(WAIT_FOR_IMAGES)
-            facts, widgets = page.evaluate(PAGE_FACTS), widget_views(page)
+            facts, widgets = page.evaluate(PAGE_FACTS, str(ROOT)), widget_views(page)
             t1 = time.monotonic()
             options = AXE_OPTIONS if name in shots else AXE_NO_CONTRAST
             violations = axe.run(page, options=options).response["violations"]
@@ -388,34 +426,136 @@ def test_code_blocks_are_highlighted(visit):
     assert not colourless, f"pages whose code has token spans but no colours (pygments.css?): {colourless}"
 
 
-def test_every_launch_chapter_shows_two_ranks_side_by_side(visit):
-    """Each chapter that launches shows at least one run with two or more rank columns visible side by
-    side, one of them with real output; and in every run, a rank that printed nothing says so in its
-    column (many lessons print from rank 0 only) instead of showing an empty box; runs inside a closed
-    toggle (an exercise's hidden solution) included, since a reader opens it."""
+def test_every_launch_chapter_shows_its_ranks_side_by_side(visit):
+    """Each chapter that launches shows at least one run. In every run each rank is accounted for: a
+    column with its output, or named on the run's one line for the ranks that printed nothing (many
+    lessons print from rank 0 only; those ranks take no column, rather than an empty box each); runs inside
+    a closed toggle (an exercise's hidden solution) included, since a reader opens it. Where two or more
+    visible ranks printed, their first two columns stand side by side; and some run in the book shows two
+    columns with output side by side."""
     pages, _ = visit
-    missing, blank = [], []
+    missing, unaccounted, blank, stacked, side_by_side = [], [], [], [], []
     for name in launch_chapters():
-        good = []
-        for run in pages[name].facts["runs"]:
-            shown = [c for c in run["columns"] if c["shown"] and re.fullmatch(r"rank \d+", c["title"])]
-            side_by_side = (
-                len(shown) >= 2
-                and abs(shown[0]["top"] - shown[1]["top"]) < 2
-                and shown[1]["left"] > shown[0]["left"]
-                and any(c["lines"] for c in shown)
-            )
-            if side_by_side:
-                good.append(run)
-            ranks = [c for c in run["columns"] if re.fullmatch(r"rank \d+", c["title"])]  # toggled ones too
-            blank += [f"{name}: {run['head']}: {c['title']}" for c in ranks if not c["lines"] and not c["quiet"]]
-        if not good:
-            missing.append(
-                f"{name}: {len(pages[name].facts['runs'])} lessonlib-run block(s), none with two "
-                f"visible rank columns side by side and output in one: {pages[name].facts['runs'][:2]}"
-            )
+        runs = [run for run in pages[name].facts["runs"] if run["worldSize"]]
+        if not runs:
+            missing.append(f"{name}: no lessonlib-run block")
+        for run in runs:
+            where = f"{name}: {run['head']}"
+            ranks = [int(c["title"].split()[1]) for c in run["columns"] if re.fullmatch(r"rank \d+", c["title"])]
+            if sorted(ranks + run["quietRanks"]) != list(range(run["worldSize"])):
+                unaccounted.append(f"{where}: columns {ranks}, printed nothing {run['quietRanks']}")
+            blank += [f"{where}: {c['title']}" for c in run["columns"] if not c["lines"]]
+            shown = [c for c in run["columns"] if c["shown"]]
+            if len(shown) >= 2:
+                if abs(shown[0]["top"] - shown[1]["top"]) < 2 and shown[1]["left"] > shown[0]["left"]:
+                    side_by_side.append(name)
+                else:
+                    stacked.append(f"{where}: {shown[:2]}")
     assert not missing, "\n".join(missing)
-    assert not blank, "rank columns left blank, without saying that the rank printed nothing:\n" + "\n".join(blank)
+    assert not unaccounted, "ranks neither shown in a column nor named as printing nothing:\n" + "\n".join(unaccounted)
+    assert not blank, "rank columns left blank (a rank that printed nothing takes no column):\n" + "\n".join(blank)
+    assert not stacked, "rank columns one under the other instead of side by side:\n" + "\n".join(stacked)
+    assert side_by_side, "no run in the book shows two rank columns side by side"
+
+
+def test_a_failed_launch_leads_with_each_ranks_line_and_folds_its_tracebacks(visit):
+    """Chapter 1's failing launches (a rank that raises, one that stalls, one the launch's own bound
+    ends): each view says first, one visible line per rank above the columns, how the rank ended and
+    where it was; every traceback and stack is folded (a closed <details>), torch's frames greyed inside;
+    and no run in the book shows an absolute path of the build machine (an environment's site-packages,
+    the checkout)."""
+    pages, _ = visit
+    runs = pages["01_launch.html"].facts["runs"]
+    failed = [run for run in runs if re.match(r"^\W*(failed|timed out|interrupted)", run["head"])]
+    assert len(failed) >= 3, f"chapter 1 shows {len(failed)} failed runs: {[r['head'] for r in runs]}"
+    for run in failed:
+        summary = run["summary"]
+        assert summary and summary["shown"], f"no visible line per rank: {run['head']}"
+        said = [re.match(r"rank (\d+)\b", line) for line in summary["lines"]]
+        assert [int(m[1]) for m in said if m] == list(range(run["worldSize"])), summary["lines"]
+        assert run["gridTop"] is None or summary["bottom"] <= run["gridTop"] + 1, "the rank lines are not first"
+        assert run["tracebacks"], f"no traceback or stack folded under a rank: {run['head']}"
+        assert not any(t["open"] for t in run["tracebacks"]), f"a traceback shown open: {run['head']}"
+    assert any(t["grey"] for run in failed for t in run["tracebacks"]), "no torch frame greyed in any traceback"
+    shown = [f"{name}: {path}" for name, p in pages.items() for run in p.facts["runs"] for path in run["longPaths"]]
+    assert not shown, "absolute paths of the build machine in run views:\n" + "\n".join(shown[:10])
+
+
+def test_four_ranks_keep_readable_columns(visit):
+    """A run's columns are at least ~250 px wide each (the view's minimum is 22em, 264 px), or their row
+    scrolls sideways: checked on every page, and on a 4-rank run of a chapter that launches one."""
+    pages, _ = visit
+    narrow = [
+        f"{name}: {run['head']}: {[round(c['width']) for c in run['columns'] if c['shown']]}"
+        for name, p in pages.items()
+        for run in p.facts["runs"]
+        if not run["scrolls"] and any(c["width"] < 250 for c in run["columns"] if c["shown"])
+    ]
+    assert not narrow, "rank columns narrower than 250 px, not scrolling:\n" + "\n".join(narrow)
+    four = [p.stem + ".html" for p in tracked_notebooks() if re.search(r"\bnproc=4\b", p.read_text())]
+    wide = [
+        run
+        for name in four
+        for run in pages[name].facts["runs"]
+        if run["worldSize"] == 4 and len([c for c in run["columns"] if c["shown"]]) >= 2
+    ]
+    assert wide, f"no 4-rank run with two or more visible columns on {four}"
+
+
+def test_no_cell_shows_the_same_run_twice(visit):
+    """A cell whose last line is `lessonlib.launch(...).raise_for_status()` shows the launch's own view,
+    not that view and the returned RunResult again."""
+    pages, _ = visit
+    repeated = [
+        f"{name}: a cell shows {len(hashes)} run views, {len(hashes) - len(set(hashes))} of them repeated"
+        for name, p in pages.items()
+        for hashes in p.facts["repeated"]
+        if len(set(hashes)) < len(hashes)
+    ]
+    assert not repeated, "\n".join(repeated)
+
+
+def test_lesson_code_is_captioned_with_its_file(visit):
+    """Every lesson-code cell (lessonlib.show_code) carries a caption bar naming the lesson file and the
+    region or function, above the highlighted code, inside a box with a rule down its left side, so it
+    never reads as one of the notebook's own cells (which carry none)."""
+    pages, _ = visit
+    bad, seen = [], 0
+    for name, p in pages.items():
+        bad += [f"{name}: captioned code in a notebook's own cell"] * p.facts["captionedOwnCells"]
+        for code in p.facts["lessonCode"]:
+            seen += 1
+            caption = code["caption"] or ""
+            if not re.fullmatch(
+                r"(lessons|lessonlib)/\w+\.py · ((region|function|class) [\w.-]+|whole file)", caption
+            ) and not re.fullmatch(r"diff · lessons/\w+\.py.* → lessons/\w+\.py.*", caption):
+                bad.append(f"{name}: caption {code['caption']!r}")
+            elif not code["framed"] or code["rule"] < 2:
+                bad.append(f"{name}: {caption}: not framed (rule {code['rule']} px)")
+            elif code["shown"] and code["captionBottom"] > code["codeTop"] + 1:
+                bad.append(f"{name}: {caption}: the caption is not above its code")
+    assert seen, "no lesson-code cell found"
+    assert not bad, "lesson code without its caption:\n" + "\n".join(bad)
+
+
+def test_the_start_page_comes_first_with_the_script_its_diffs_and_a_step(visit, book_html):
+    """Start here: first in the navigation, linked from the intro, showing train_ddp.py whole and the two
+    diffs (highlighted, captioned), the picture of one DDP step, and the runs of the script."""
+    pages, _ = visit
+    assert "start.html" in pages, f"no Start page among {sorted(pages)}"
+    start = pages["start.html"].facts
+    captions = [c["caption"] for c in start["lessonCode"]]
+    assert "lessons/train_ddp.py · whole file" in captions, captions
+    diffs = [c for c in captions if c.startswith("diff · ")]
+    assert len(diffs) == 2, f"the Start page should show two diffs, it shows {diffs}"
+    highlighted = [b for b in start["blocks"] if b["language"] == "diff" and b["tokens"]]
+    assert len(highlighted) == 2, "the diffs are not highlighted as diffs"
+    assert any(img["ok"] for img in start["images"]), "the picture of one DDP step did not load"
+    assert len(start["runs"]) >= 3, "the step and the two train_ddp.py runs should each show their ranks"
+    intro = (book_html / "intro.html").read_text()
+    assert 'href="start.html"' in intro, "the intro does not link to the Start page"
+    nav = intro[intro.index("bd-sidebar") :]
+    assert nav.index("start.html") < nav.index("01_launch.html"), "Start here is not first among the chapters"
 
 
 def test_embedded_widget_views_render(visit):

@@ -43,6 +43,8 @@ def show_code_calls():
 
 
 CALLS = show_code_calls()
+# One (path, region) of chapter 1's that is shown (its regions are the course's first example).
+CALLS_BY_KIND = {"region": next((p, r) for nb, p, r, _ in CALLS if p == "lessons/01_launch.py" and r)}
 
 
 def test_the_chapters_show_code_with_show_code_not_literalinclude():
@@ -114,8 +116,43 @@ def test_region_and_function_are_dedented_without_marker_lines(tmp_path):
     assert "[start" not in func
     assert str(lessonlib.show_code(lesson, pyobject="Model.forward")) == "def forward(self, x):\n    return x"
     md = lessonlib.show_code(lesson, "body")._repr_markdown_()
-    assert md == "```python\ny = x * 2\nreturn y\n```\n"
+    assert "\n\n```python\ny = x * 2\nreturn y\n```\n\n</div>\n" in md, md
     assert Code("s = '```'")._repr_markdown_().startswith("````python\n")  # a fence the code cannot close
+    assert Code("x = 1")._repr_markdown_() == "```python\nx = 1\n```\n"  # no caption, no frame
+
+
+def test_lesson_code_is_captioned_with_its_file_and_region():
+    region = lessonlib.show_code("lessons/01_launch.py", CALLS_BY_KIND["region"][1])
+    assert region.caption == f"lessons/01_launch.py · region {CALLS_BY_KIND['region'][1]}"
+    assert (
+        lessonlib.show_code("lessons/01_launch.py", pyobject="main").caption == "lessons/01_launch.py · function main"
+    )
+    assert str(region) == region.text  # the plain-text form is the code alone
+    assert "lessons/01_launch.py · region" in region._repr_markdown_()
+
+
+def _rendered(md):
+    """The Markdown as JupyterLab and VS Code (markdown-it, CommonMark) and the book (MyST, docutils) make it."""
+    from docutils.core import publish_string
+    from markdown_it import MarkdownIt
+    from myst_parser.parsers.docutils_ import Parser
+
+    myst = publish_string(md, parser=Parser(), writer_name="html5", settings_overrides={"output_encoding": "unicode"})
+    return {"commonmark": MarkdownIt("commonmark").render(md), "myst": myst}
+
+
+def test_the_caption_and_frame_render_around_highlighted_code_everywhere():
+    """The caption bar, then the code as a code block (highlighted by each front end), both inside the
+    framed box; the essentials inline, since JupyterLab and VS Code have no book CSS."""
+    code = lessonlib.show_code("lessons/01_launch.py", pyobject="main")
+    for where, page in _rendered(code._repr_markdown_()).items():
+        box = page.index('<div class="lessonlib-code" style="border-left:4px solid')
+        caption = page.index('class="lessonlib-code-caption" style="', box)
+        block = page.index("<pre", caption)
+        closed = page.index("</div>", page.index("</pre>", block))
+        assert box < caption < block < closed, f"{where}: caption, code and frame out of order:\n{page[box:][:600]}"
+        assert "lessons/01_launch.py · function main</div>" in page, where
+        assert "def main" in re.sub(r"<[^>]+>", "", page[block:closed]), where  # tokens or not, the code
 
 
 def test_a_missing_file_region_or_function_is_a_clear_error(tmp_path):

@@ -293,9 +293,16 @@ def test_a_failing_peer_is_the_root_cause_within_seconds(fault_case, how):
     if how == "raise":
         assert run.root_cause.error == "RuntimeError: rank 1 fails on purpose", text
         assert re.search(r"First failure \(root cause\): rank 1 exited 1\b.*rank 1 fails on purpose", text), text
+        assert re.search(
+            r"^  rank 1 \(root cause\): RuntimeError: rank 1 fails on purpose; at .*faults\.py:\d+ ", text, re.M
+        ), text
     else:
         assert run.root_cause.exitcode == -signal.SIGKILL and run.root_cause.error == "killed by SIGKILL", text
         assert re.search(r"First failure \(root cause\): rank 1 exited -9\b.*killed by SIGKILL", text), text
+        assert "\n  rank 1 (root cause): killed by SIGKILL (exit -9)\n" in text, text
+    # Rank 0 was waiting for it: its line says where, in the script's own code.
+    waited = line_of("# FAULT-PEER-WAIT")
+    assert re.search(rf"^  rank 0: .*; at .*faults\.py:{waited} in peer_fails: dist\.all_reduce\(", text, re.M), text
     assert seconds_after_rank1 is not None and seconds_after_rank1 < 15, (
         f"launch returned {seconds_after_rank1} s after rank 1 ended (rank 0's pg timeout is 120 s)"
     )
@@ -339,6 +346,16 @@ def test_barrier_only_rank_0_reaches_shows_every_live_ranks_stack(fault_case):
     assert fault_case.returned_after < BOUND + 10, f"bound {BOUND} s, returned after {fault_case.returned_after:.1f}"
     assert line_of("# FAULT-RANK0-BARRIER") in stack_lines(run, 0), text
     assert line_of("# FAULT-NEXT-COLLECTIVE") in stack_lines(run, 1), text
+    # The failure leads with where each rank waited: two different collectives, the bug in one glance.
+    lines = text.splitlines()[1:3]
+    assert re.match(
+        rf"  rank 0: hung: .*faults\.py:{line_of('# FAULT-RANK0-BARRIER')} in rank0_barrier: dist\.barrier\(\)$",
+        lines[0],
+    ), text
+    assert re.match(
+        rf"  rank 1: hung: .*faults\.py:{line_of('# FAULT-NEXT-COLLECTIVE')} in rank0_barrier: dist\.all_reduce\(",
+        lines[1],
+    ), text
     fault_case.finish()
 
 

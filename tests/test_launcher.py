@@ -154,6 +154,12 @@ def test_failing_rank_is_named_as_root_cause():
     with pytest.raises(lessonlib.LaunchError) as caught:
         run.raise_for_status()
     message = str(caught.value)
+    # One line per rank first, how it ended and where: rank 1 raised in the lesson's own code.
+    lines = message.splitlines()
+    assert [ln.split(":", 1)[0].strip() for ln in lines[1:4]] == ["rank 0", "rank 1 (root cause)", "rank 2"], message
+    assert re.match(
+        r"  rank 1 \(root cause\): RuntimeError: .*failing on purpose.*; at lessons/01_launch\.py:\d+ in ", lines[2]
+    )
     assert re.search(r"First failure \(root cause\): rank 1\b", message), message
     assert "failing on purpose" in message
     assert "Traceback (most recent call last)" in message, message
@@ -662,7 +668,9 @@ def test_a_rank_that_exits_0_early_is_named_though_only_its_peers_failed(tmp_pat
     script.write_text(LEAVES_EARLY)
     run = lessonlib.launch(script, nproc=2, timeout=90, show="none")
     assert not run.ok and run.ranks[1].ok and run.failed_ranks == [0], run.describe_failure()
-    assert run.left_early == [1] and "But rank(s) 1 exited 0 before that" in run.describe_failure()
+    story = run.describe_failure()
+    assert run.left_early == [1] and "Rank(s) 1 exited 0 before the first failure" in story, story
+    assert "  rank 1 (left early: look here first): exit 0, before the others failed" in story.splitlines(), story
 
 
 @pytest.mark.parametrize("how", ["block ends", "bound fires"])

@@ -169,6 +169,9 @@ def test_a_failing_rank_is_named_in_the_panel(kernel):
     assert kernel.value("[r.ok, 1 in r.failed_ranks, r.root_cause.rank]") == [False, True, 1]
     head = kernel.value("f.output.value")
     assert "failed on rank(s)" in head and "first failure: rank 1 (RuntimeError" in head, head[:800]
+    # The same view as a launch's: one line per rank before the columns, the traceback folded.
+    assert head.index('class="lessonlib-summary"') < head.index('class="lessonlib-columns"'), head[:800]
+    assert "<b>rank 1</b> <b" in head and "(root cause)" in head and 'class="lessonlib-traceback"' in head
 
 
 def _stalling_panel(kernel, name):

@@ -233,7 +233,16 @@ def test_a_failing_rank_is_named_last_on_stderr():
     last = err.rstrip("\n").splitlines()[-1]
     assert last.startswith("lessonlib run: lessons/01_launch.py failed on rank(s)"), shown(code, out, err)
     assert "rank 1 failed first with RuntimeError: rank 1: failing on purpose" in last, last
-    assert "First failure (root cause): rank 1" in err and "--- rank 1 traceback ---" in err, err
+    # Above it, one line per rank: how it ended and where it was (the display's words, as in a notebook).
+    assert re.search(
+        r"^  rank 1 \(root cause\): RuntimeError: rank 1: failing on purpose.*; at lessons/01_launch\.py:\d+ in \w+",
+        err,
+        re.M,
+    ), err
+    assert re.search(r"^  rank 0: ", err, re.M), err
+    # Each traceback once, as it came ([rank N]-prefixed); not a second copy at the end.
+    assert "[rank 1] Traceback (most recent call last):" in err and "--- rank 1 traceback ---" not in err, err
+    assert ".venv/lib/" not in out + err and str(ROOT) + "/" not in out + err, "a long path is shown"
 
 
 def test_columns_wrap_onto_rows_when_the_terminal_is_narrow():
@@ -277,7 +286,13 @@ def test_a_timeout_says_so_and_leaves_no_process(hang_env, tmp_path):
     )
     last = err.rstrip("\n").splitlines()[-1]
     assert "timed out after 40 s" in last and "rank(s) 0, 1 were still running" in last, shown(code, out, err)
-    assert re.search(r"--- rank 1 stack ---\n.*\n\s+File .*sleeper\.py", err), err  # where it was, from the launcher
+    assert re.search(r"^\[rank 1\]\s+File .*sleeper\.py", err, re.M), err  # its stack, printed as it was stopped
+    assert re.search(  # ...and where it was, in the line for rank 1
+        r"^  rank 1: hung: still running at the 40 s timeout, then killed; at .*sleeper\.py:\d+ in <module>: "
+        r"time\.sleep\(600\)$",
+        err,
+        re.M,
+    ), err
     assert seconds < 40 + 30, f"a 40 s timeout took {seconds:.0f} s"
     assert processes_with_env("TEST_TAG", env["TEST_TAG"]) == []
 
