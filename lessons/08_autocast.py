@@ -8,9 +8,9 @@ CUDA autocast in float16 and bfloat16 where this rank has a GPU (else skipped, w
 dtype of every result, of the parameters and of their gradients is checked against the table the
 chapter states: the two devices keep different lists of ops that stay in float32.
 Traps that tutorials often fall into are run too: the torch.cuda.amp.autocast and torch.cuda.amp.GradScaler
-spellings warn that they are deprecated, CUDA autocast leaves CPU tensors alone, and without a GPU that
-GradScaler is silently disabled. And autocast's state belongs to one thread, and a nested
-autocast(enabled=False) switches it off.
+spellings warn that they are deprecated, CUDA autocast leaves CPU tensors alone, and without a GPU both
+disable themselves with a UserWarning: that GradScaler's scale() returns the loss and its step() just
+steps. And autocast's state belongs to one thread, and a nested autocast(enabled=False) switches it off.
 """
 
 import argparse
@@ -107,11 +107,16 @@ def cuda_on_cpu_tensors():
 
 
 def old_scaler():
-    """The common torch.cuda.amp.GradScaler(): (enabled, warning categories)."""
+    """The common torch.cuda.amp.GradScaler(): (enabled, warning categories, what scale and step then do)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         scaler = torch.cuda.amp.GradScaler()
-    return scaler.is_enabled(), {w.category.__name__ for w in caught}
+    weight = torch.nn.Parameter(torch.ones(1))
+    weight.grad, loss = torch.ones(1), torch.tensor(3.0)
+    scaled = scaler.scale(loss)
+    scaler.step(torch.optim.SGD([weight], lr=1.0))  # disabled: a plain opt.step(), 1 - 1 * 1 = 0
+    does = {"scale(loss) is the loss": scaled is loss, "step stepped": weight.item() == 0.0}
+    return scaler.is_enabled(), {w.category.__name__ for w in caught}, does
 
 
 def main():
@@ -150,8 +155,11 @@ def main():
     old_dtype, categories = cuda_on_cpu_tensors()
     assert old_dtype == torch.float32, f"rank {rank}: torch.cuda.amp.autocast lowered a CPU op to {old_dtype}"
     assert "FutureWarning" in categories, f"rank {rank}: torch.cuda.amp.autocast did not warn: {categories}"
-    enabled, scaler_warnings = old_scaler()  # disabled, without an error, where there is no GPU
+    enabled, scaler_warnings, does = old_scaler()  # disabled, without an error, where there is no GPU
     assert "FutureWarning" in scaler_warnings and enabled == torch.cuda.is_available(), f"rank {rank}: {enabled}"
+    if not torch.cuda.is_available():  # both disable themselves, and say so; the scaler then scales nothing
+        assert "UserWarning" in categories and "UserWarning" in scaler_warnings, f"rank {rank}: {scaler_warnings}"
+        assert all(does.values()), f"rank {rank}: the disabled torch.cuda.amp.GradScaler: {does}"
     lessonlib.report(
         "traps",
         {

@@ -10,7 +10,8 @@ the scaled backward). DDP all-reduces the gradients during backward, before any 
 every rank then sees non-finite gradients, skips the step (parameters unchanged) and halves its scale
 (asserted on every rank, including those whose own batch was ordinary). Parameters and scaler states
 stay equal across ranks at every step (asserted), so the scaler in rank 0's checkpoint is everyone's:
-its state_dict round trip keeps the scale and growth tracker (asserted).
+its state_dict round trip keeps the scale and growth tracker (asserted). A step clipped after unscale_
+clips the all-reduced gradients: every rank sees the same norm and the replicas stay equal (asserted).
 Autocast inside the model's forward gives the same gradients as autocast around forward and loss
 (asserted, bit for bit) if forward returns float32; if it returns float16 logits, a cross-entropy
 computed outside autocast runs in float16 (asserted).
@@ -91,6 +92,23 @@ def placement(rank):
     return loss_dtype
 
 
+def clipped_step(ddp, opt, scaler, x, y, rank, max_norm=0.1):
+    """One more AMP step, clipped between unscale_ and step: every rank clips with the same norm."""
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.mse_loss(ddp(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)  # of the all-reduced gradients
+    scaler.step(opt)
+    scaler.update()
+    norms, replicas = gather(norm.reshape(1)), gather(flat_params(ddp.module))
+    assert norm > max_norm, f"rank {rank}: the norm {norm.item()} is below {max_norm}: nothing was clipped"
+    assert all(torch.equal(n, norms[0]) for n in norms), f"rank {rank}: ranks clipped with norms {norms}"
+    assert all(torch.equal(r, replicas[0]) for r in replicas), f"rank {rank}: replicas differ after clipping"
+    return norm.item()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--steps", type=int, default=6, choices=range(1, 51), metavar="1..50")
@@ -149,6 +167,7 @@ def main():
     assert fresh != scaler.get_scale(), f"rank {rank}: a fresh scaler happens to have the same scale"
     lessonlib.report("checkpoint", {"saved": scaler.state_dict(), "restored": restored.state_dict(), "fresh": fresh})
 
+    clipped = clipped_step(ddp, opt, scaler, *batch(args.steps, rank, bad=False), rank)
     loss_dtype = placement(rank)
     if ctx.is_main:
         print(
@@ -160,6 +179,7 @@ def main():
             f"{restored.state_dict()['_growth_tracker']} restored (a fresh scaler starts at {fresh:g})"
         )
         print(f"autocast inside forward: same gradients as around the call; without .float() the loss is {loss_dtype}")
+        print(f"a step clipped after unscale_: every rank saw norm {clipped:.4g}, and the replicas stayed equal")
     lessonlib.teardown()
 
 

@@ -10,12 +10,13 @@ come back within 1e-3 of float32's (asserted, on CUDA too when this rank has a G
 float32's range and needs no scaler (asserted on the same number). Then a training run starts with a
 scale too large: every step whose scaled gradients overflow to inf is skipped (parameters bit for bit
 unchanged) and the scale is halved; growth_interval finite steps in a row double it (all asserted).
-Clipping before unscale_ clips the scaled gradients: the norm it sees is scale times the true one
-(asserted, exactly) and the update is scale times too small. A second unscale_ before update() raises
-(asserted).
+Clipping before unscale_ clips the scaled gradients, with no error and no warning: the norm it sees is
+scale times the true one (asserted, exactly) and the update is scale times too small. A second unscale_
+before update() raises (asserted).
 """
 
 import argparse
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -122,7 +123,10 @@ def clipping(rank, scale=2.0**10, clip=0.5):
         model = mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         start = torch.cat([p.detach().flatten() for p in model.parameters()])
-        _, norm = train_step(model, opt, torch.amp.GradScaler("cpu", init_scale=scale), 0, clip, clip_first)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, norm = train_step(model, opt, torch.amp.GradScaler("cpu", init_scale=scale), 0, clip, clip_first)
+        assert not caught, f"rank {rank}: clip_first={clip_first} warned: {[str(w.message) for w in caught]}"
         updates.append((torch.cat([p.detach().flatten() for p in model.parameters()]) - start).norm().item())
         norms.append(norm.item())
     assert norms[0] > clip, f"rank {rank}: the true norm {norms[0]} must exceed {clip} for clipping to act"

@@ -135,6 +135,7 @@ def main():
     if ctx.is_main:
         left = os.listdir(folder) if os.path.isdir(folder) else []
         assert not set(written) & set(left), f"rank 0: files left behind in {folder}: {left}"
+        assert args.out_dir or not os.path.exists(folder), f"rank 0: the temporary folder {folder} is still there"
         print(f"rank 0: removed {len(written)} files" + ("" if args.out_dir else f" and {folder}"))
     lessonlib.teardown()
 

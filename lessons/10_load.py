@@ -8,7 +8,8 @@ Rank 0 writes a checkpoint (weights and SGD momentum, after a few steps in one p
 then a barrier. Every rank builds its model from seed + rank (chapter 4), so the ranks start apart.
 Four ways to load it, each followed by --steps DDP steps, every rank's parameters gathered:
   pretrained, rank 0 loads before DDP(model): the construction broadcast copies them: equal, and stay so;
-  pretrained, rank 0 loads after DDP(model):  nothing copies them again: different at once, and for good;
+  pretrained, rank 0 loads after DDP(model):  nothing copies them again: different at once, and for good
+                                              (the same averaged steps keep the gap as it was);
   resume, rank 0 loads before DDP(model):     weights equal, momentum on rank 0 only: they drift apart;
   resume, every rank loads:                   equal, and they stay equal (all asserted, from 2 ranks on).
 No barrier: the order a slow rank 0 gives is forced, and the others read the previous checkpoint without
@@ -179,6 +180,11 @@ def main():
             a, b, c, d = rows.values()
             assert a["gap at start"] == 0 and a["gap after steps"] == 0, f"rank {ctx.rank}: {a}"
             assert b["gap at start"] > 0 and b["gap after steps"] > 0, f"rank {ctx.rank}: {b}"
+            # the same averaged steps on every rank: the gap stays what it was, to float64 rounding
+            assert abs(b["gap after steps"] - b["gap at start"]) < 1e-12, f"rank {ctx.rank}: {b}"
+            # momentum: in the resume cases, on rank 0 alone when only rank 0 loads, else everywhere
+            assert [held[2] for held in momentum] == [True] + [False] * (ctx.world_size - 1), momentum
+            assert all(held[3] for held in momentum), f"rank {ctx.rank}: momentum loaded {momentum}"
             assert c["gap at start"] == 0 and c["gap after steps"] > 0, f"rank {ctx.rank}: {c}"
             assert d["gap at start"] == 0 and d["gap after steps"] == 0, f"rank {ctx.rank}: {d}"
         lessonlib.report("cases", {"rows": list(rows.values()), "momentum by rank": momentum})

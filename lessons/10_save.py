@@ -100,6 +100,8 @@ def keys(ddp, folder):
     plain.load_state_dict(ddp.module.state_dict())  # keys "0.weight", ...: what to save
     # [end: keys]
     assert "Missing key(s)" in error and "Unexpected key(s)" in error, error
+    # every key the bare model expects is missing, and its "module." twin in the file unexpected
+    assert all(f'"{k}"' in error and f'"module.{k}"' in error for k in plain.state_dict()), error
     old = torch.load(path)["model"]
     consume_prefix_in_state_dict_if_present(old, "module.")  # repairs a file already saved with the prefix
     plain.load_state_dict(old)
@@ -141,6 +143,7 @@ def crashes(ddp, folder):
             sub = tempfile.mkdtemp(dir=folder)
             path = os.path.join(sub, "checkpoint.pt")
             atomic_save({"model": ddp.module.state_dict(), "epoch": 1}, path)
+            assert 4 * LIMIT < os.path.getsize(path) < 1.1e6, os.path.getsize(path)  # about 1 MB, past the limit
             said = crash_during_save(save, {"model": ddp.module.state_dict(), "epoch": 2}, path, how)
             try:
                 found, error = torch.load(path)["epoch"], ""
@@ -186,6 +189,7 @@ def weights_only(folder):
         allowed = torch.load(path)
     # [end: weights_only]
     assert "Weights only load failed" in refused and "argparse.Namespace" in refused, refused
+    assert {"argparse.Namespace", "numpy.ndarray"} <= set(needs), needs  # the arguments, numpy's RNG key
     assert plain["args"] == vars(args) and torch.equal(plain["numpy_rng"][1], torch.from_numpy(key))
     assert allowed["args"] == args
     why = re.sub(r"\x1b\[[0-9;]*m", "", refused.split("WeightsUnpickler error: ")[-1]).split("\n")[0]

@@ -15,7 +15,8 @@ equals the formula, exactly, in bytes (Adam also keeps a 4-byte `step` tensor pe
          ceil(rows/N) rows; parameters and gradients are stored padded to that, Adam's state is not.
 Against lessonlib.sharding.per_rank_bytes (the calculator): ddp exact (plus the step tensors); fsdp's
 parameters and gradients within one row per parameter of ceil(P/N), the state summed over ranks exactly
-8P plus the step tensors. And every variant's full weights equal one process's on the whole batch, within TOL.
+8P plus the step tensors. And every variant's full weights equal one process's on the whole batch, within TOL
+(exactly, at one rank).
 """
 
 import argparse
@@ -181,6 +182,7 @@ def main():
         calc = against_calculator(variant, got, states, P, tensors, n, rank)
         gap = gap_to_one_process(net, args.steps)
         assert gap < TOL, f"rank {rank}: {variant}'s weights are {gap:.1e} from one process's (tolerance {TOL})"
+        assert n > 1 or gap == 0, f"rank 0: alone, {variant} is {gap:.1e} from one process: the same sums differ"
         row = {"variant": variant, "rank": rank, **got, "calculator": calc, "weights gap": gap}
         if variant == "zero1":  # the whole tensors this rank updates
             row["assigned"] = [name for name, p in net.module.named_parameters() if any(p is q for q in mine)]

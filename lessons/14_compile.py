@@ -3,8 +3,7 @@
 torch.compile with DDP: one graph per bucket, the same weights, what compiling costs, and what compiles nothing.
 
 Options: --backend aot_eager (the default: traces and runs the same ATen ops, generates no code) or inductor
-(generates and compiles C++: 15 s for the first step at 2 ranks on the 2-core machine this was written on);
---steps 4; --pg-timeout S (default 120).
+(generates and compiles C++, which its first step pays for); --steps 4; --pg-timeout S (default 120).
 
 The model: 4 Linear(512, 512, bias=False) layers with tanh, float32, under DDP with bucket_cap_mb=1: each
 weight is 1 MiB, so each bucket holds one layer. A counting backend notes every graph torch.compile hands

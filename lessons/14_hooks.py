@@ -12,7 +12,7 @@ tensor of the bucket's shape: the averaged gradients. The model: a float32 MLP, 
      allreduce_hook) sees one call per bucket and every parameter's bytes, and sends what DDP sends alone;
      fp16_hook (the exercise's answer) sends half and ends bitwise equal to fp16_compress_hook;
      bf16_compress_hook halves the bytes too (a torch built without CUDA and NCCL, as on macOS, refuses to
-     register it: reported); PowerSGD sends under a tenth (bytes within TOL_BYTES). The weights, relative
+     register it: reported); PowerSGD under a tenth at each step from START (bytes: TOL_BYTES). The weights, relative
      to how far plain DDP moved them: float16 within TOL_FP16, bfloat16 within TOL_BF16 and further than
      float16; PowerSGD with error feedback closer than without. At one rank nothing is sent (0 bytes).
   2. What goes wrong, for real, each caught: a hook that returns a tensor, all_reduce's own future (a
@@ -169,8 +169,8 @@ def part_hooks(ctx, steps, rank):
         for name in {"fp16_hook (ours)", "fp16_compress_hook", "bf16_compress_hook"} & set(runs):
             assert abs(ratio[name] - 0.5) < TOL_BYTES, f"rank {ctx.rank}: {name} sent {ratio[name]} of DDP's"
         psgd = runs["powerSGD_hook"]["sent"]
-        assert ratio["powerSGD_hook"] < 0.1, f"rank {ctx.rank}: PowerSGD sent {ratio['powerSGD_hook']} of DDP's"
         assert all(abs(s / base - 1) < 2 * TOL_BYTES for s in psgd[1:START]), f"rank {ctx.rank}: {psgd}"
+        assert all(s < 0.1 * base for s in psgd[START:]), f"rank {ctx.rank}: PowerSGD sent {psgd}, DDP {base}"
     return rows
 
 
