@@ -102,9 +102,12 @@ def test_the_short_path_takes_core_sections_only(tmp_path):
         readingmap.path_rows([("99_test", "Nothing")], book=tmp_path)
 
 
-# A code cell that teaches: it launches or checks a lesson, defines or imports something, or shows code.
+# A code cell that teaches: it launches or checks a lesson, defines or imports something, shows code,
+# or uses a calculator the chapter teaches.
 TEACHES = re.compile(
-    r"lessonlib\.launch\(|panel\(|check_function|^def |^import |^from |show_code|run_python|run_bounded", re.M
+    r"lessonlib\.launch\(|panel\(|check_function|^def |^import |^from |show_code|run_python|run_bounded"
+    r"|per_rank_bytes\(|sent_per_step\(|\bplan\(",  # chapter 13's calculator is lesson material
+    re.M,
 )
 # A code cell that only presents a result: a table, a plot.
 PRESENTS = re.compile(r"show_table\(|plt\.|plot_ranks|\bax\.")
