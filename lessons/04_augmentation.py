@@ -1,8 +1,8 @@
 """torchrun --nproc_per_node=2 lessons/04_augmentation.py
 
-Do the ranks draw the same random crops? Measured for five ways of seeding, with torchvision v2.
+Do the ranks draw the same random crops? Measured for six ways of seeding, with torchvision v2.
 
-Options: --cases a,b,c,d,e (the default: all five).
+Options: --cases a,b,c,d,e,f (the default: all six).
 
 Each rank gets different images (DistributedSampler), but what matters here is the random crop and
 flip each rank applies at each step. v2 applies one call's random parameters to every image passed
@@ -14,8 +14,9 @@ mean equal crop parameters. The cases, on every rank:
   d  same seed, num_workers=0, generator seed + rank identical: without workers the transforms draw
                                                      from the global RNG, which the generator never touches
   e  torch.manual_seed(seed + rank), num_workers=0   different
+  f  torch.manual_seed(seed + rank), num_workers=2   different: base_seed comes from the per-rank RNG
 Reported: the fraction of step positions at which every rank drew the same crop (asserted for
-world size > 1: 100% for a, b, d; under 20% for c, e; null at world size 1, where nothing compares).
+world size > 1: 100% for a, b, d; under 20% for c, e, f; null at world size 1, where nothing compares).
 """
 
 import argparse
@@ -34,6 +35,7 @@ CASES = {  # name: (seed torch with seed + rank?, num_workers, loader generator 
     "c": (False, 2, True),
     "d": (False, 0, True),
     "e": (True, 0, False),
+    "f": (True, 2, False),
 }
 SAME = {"a", "b", "d"}
 

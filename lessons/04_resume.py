@@ -14,7 +14,7 @@ and saving them only on rank 0 for every rank (after resume all ranks draw the s
 One more step makes it bitwise at every world size: a new DDP's first iteration uses its initial
 gradient-bucket layout, and only then rebuilds the buckets in the order gradients became ready. The
 straight run is long past that rebuild, so without care the first step after resume sums gradients
-laid out differently; from 3 ranks on, gloo's sum then rounds differently (by ~1e-9). One throwaway
+laid out differently; from 3 ranks on, gloo's sum can then round differently. One throwaway
 backward before loading (warm_up) puts the rebuild where it belongs.
 This resumes at an epoch boundary; mid-epoch also needs the position in the epoch (batches to skip).
 """

@@ -11,7 +11,10 @@ Options: --steps 3 (the default).
    copies rank 0's buffers to every rank at the start of each forward(), and every rank then updates
    them from its own batch. So the running statistics that survive are rank 0's: an average over rank
    0's batches alone (asserted, against a BatchNorm fed rank 0's batches in one process), while a
-   checkpoint saved by rank 0 and a forward in eval mode use exactly those.
+   checkpoint saved by rank 0 and a forward in eval mode use exactly those. After training the ranks'
+   running means differ (asserted). forward_sync_buffers=False turns the per-forward copy off but
+   still copies at construction; the older broadcast_buffers=False warns (FutureWarning) and skips
+   that copy too (both asserted).
 3. `ddp.module` is the model that was wrapped. DDP's state_dict names every entry `module.` + name,
    so a checkpoint of `ddp.state_dict()` does not load into the bare model (the real error is shown);
    save `ddp.module.state_dict()` instead, or strip the prefix from an old checkpoint.
@@ -19,6 +22,7 @@ Options: --steps 3 (the default).
 
 import argparse
 import hashlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -78,12 +82,33 @@ def buffers(ctx, steps):
         alone(batch(0, step))
     expected = alone[1].running_mean
     assert torch.allclose(after_training[0], expected, atol=1e-6), "rank 0's running mean is not rank 0's data alone"
+    distinct = len({c.numpy().tobytes() for c in after_training}) == ctx.world_size
+    assert distinct, f"rank {ctx.rank}: after training, some ranks hold the same running mean"
     assert all(torch.equal(c, after_eval[0]) for c in after_eval), f"rank {ctx.rank}: eval did not sync the buffers"
     return {
         "running mean[0] after training, by rank": [c[0].item() for c in after_training],
         "after an eval forward": [c[0].item() for c in after_eval],
         ALONE: expected[0].item(),
     }
+
+
+def buffer_flags(ctx):
+    """At construction: forward_sync_buffers=False still copies rank 0's buffers; broadcast_buffers=False does not."""
+    equal = {}
+    for flag in ("forward_sync_buffers", "broadcast_buffers"):
+        model = build(0)  # the same parameters everywhere; the buffers differ
+        model[1].running_mean.fill_(float(ctx.rank))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            DDP(model, **{flag: False})
+        deprecated = any(issubclass(w.category, FutureWarning) and flag in str(w.message) for w in caught)
+        assert deprecated == (flag == "broadcast_buffers"), (
+            f"rank {ctx.rank}: {flag}=False, FutureWarning: {deprecated}"
+        )
+        copies = gather(model[1].running_mean.clone())
+        equal[flag] = all(torch.equal(c, copies[0]) for c in copies)
+        assert equal[flag] == (flag == "forward_sync_buffers" or ctx.world_size == 1), f"{flag}=False: {equal}"
+    return equal
 
 
 def module_and_checkpoints(ctx):
@@ -114,6 +139,7 @@ def main():
 
     built = lessonlib.report("construction", construction(ctx, args.seed))
     stats = lessonlib.report("buffers", buffers(ctx, args.steps))
+    flags = lessonlib.report("buffer_flags", buffer_flags(ctx))
     ckpt = lessonlib.report("checkpoint", module_and_checkpoints(ctx))
     dist.barrier()
     print(
@@ -127,6 +153,7 @@ def main():
             f"{[round(v, 4) for v in stats['after an eval forward']]}; rank 0's batches alone: "
             f"{stats[ALONE]:.4f}"
         )
+        print(f"buffers equal on every rank after DDP(model, flag=False): {flags}")
         print(f"ddp.state_dict() keys {ckpt['ddp keys'][:2]}...; loading them into the bare model:")
         for line in ckpt["error"].splitlines()[:3]:
             print("  " + line.strip()[:150])

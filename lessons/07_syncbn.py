@@ -165,6 +165,7 @@ def main():
     }
     assert max(v for k, v in gaps.items() if k.startswith("max")) < TOL, f"rank {r}: by hand differs: {gaps}"
     assert gaps["running var gap if biased"] > TOL, f"rank {r}: BatchNorm's running var looks biased"
+    assert any(issubclass(w.category, FutureWarning) and "deprecated" in str(w.message) for w in caught), caught
     lessonlib.report("by_hand", gaps)
 
     # 4. The real SyncBatchNorm against the hand version, where there is a GPU per rank.
