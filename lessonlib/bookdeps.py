@@ -14,7 +14,7 @@ closes that gap, in two steps:
   cached outputs are missing, or were made from other contents of those dependencies (a key stored
   with the cache record), is executed here, several at a time (BOOK_JOBS, default 2 to 4 by CPU
   count), each in a process of its own with the same function and settings as MyST-NB's
-  (lessonlib._execute_notebook), each bounded (BOOK_CHAPTER_TIMEOUT seconds, default 1200), and
+  (lessonlib._execute_notebook), each bounded (BOOK_CHAPTER_TIMEOUT seconds, default 2400), and
   cached. MyST-NB then finds every chapter in the cache and only renders it.
 
 So a cold `jupyter-book build book` executes the chapters side by side; a rebuild with nothing changed
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the course checkout: lessons/ a
 LESSON_PATH = re.compile(r"""["']((?:\.\./)?lessons/[\w./-]+\.py)["']""")
 KEY = "lessonlib_dependencies"  # the field of a cache record's data that holds the dependency key
 REPORT = "lessonlib-execution.json"  # written next to the HTML folder, in _build/
-DEFAULT_CHAPTER_TIMEOUT = 1200  # seconds for one chapter, all its cells: a bound against a hang
+DEFAULT_CHAPTER_TIMEOUT = 2400  # seconds for one chapter, all its cells: a bound against a hang
 
 
 def dependencies(notebook_text, folder):
