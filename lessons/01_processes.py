@@ -2,7 +2,7 @@
 
 Ranks are processes, not threads: each has its own memory and its own interpreter (and GIL).
 
-Options: --loop 300000 --repeats 21 (the defaults).
+Options: --loop 300000 --repeats 7 (the defaults).
 
 1. Rank 0 changes a module-level list; the other ranks do not see the change (gathered and checked).
    Two threads in one process, by contrast, append to one shared list.
@@ -149,7 +149,7 @@ def check_gil(summary, k):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--loop", type=int, default=300_000, help="iterations of the pure-Python loop")
-    parser.add_argument("--repeats", type=int, default=21, help="rounds; the figures are their medians")
+    parser.add_argument("--repeats", type=int, default=7, help="rounds; the figures are their medians")
     args = parser.parse_args()
     ctx = lessonlib.setup()
 

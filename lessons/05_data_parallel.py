@@ -2,7 +2,7 @@
 
 nn.DataParallel from a real run: what it does without GPUs, with them, and what the GIL costs its threads.
 
-Options: --iters 100 --repeats 11 (the defaults).
+Options: --iters 100 --repeats 5 (the defaults).
 
 DataParallel is one process. With two or more GPUs, every forward() splits the batch across them
 (scatter), copies the module to every GPU (replicate), runs the copies in one Python thread each
@@ -197,7 +197,7 @@ def check_gil(summary):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--iters", type=int, default=100, choices=range(10, 100_001), metavar="10..100000")
-    parser.add_argument("--repeats", type=int, default=11, choices=range(1, 1001), metavar="1..1000")
+    parser.add_argument("--repeats", type=int, default=5, choices=range(1, 1001), metavar="1..1000")
     args = parser.parse_args()
     ctx = lessonlib.setup(device="cpu")
 
