@@ -4,13 +4,15 @@
 
 The same function and settings as MyST-NB's own execution with `run_in_temp: false`: jupyter-cache's
 `single_nb_execution`, the kernel started in the notebook's folder, TIMEOUT seconds per cell, errors
-not allowed. The last line on stdout is JSON: `{"seconds": S}` after the executed notebook was written
-to OUT (exit status 0), or `{"cell": I, "source": ..., "error": "Name: message", "traceback": ...}` for the cell that
+not allowed. The last line on stdout is JSON: `{"seconds": S, "slowest": [[CELL, S], ...]}` (the five
+slowest cells, from the per-cell times nbclient records) after the executed notebook was written to
+OUT (exit status 0), or `{"cell": I, "source": ..., "error": "Name: message", "traceback": ...}` for the cell that
 failed (its index counts markdown cells too; exit status 1).
 """
 
 import json
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import nbformat
@@ -21,7 +23,7 @@ def execute(source, out, timeout):
     """Execute the notebook at `source`; write it to `out` and return the report (a dict)."""
     source = Path(source).resolve()
     nb = nbformat.read(source, as_version=4)
-    result = single_nb_execution(nb, cwd=str(source.parent), timeout=timeout, allow_errors=False)
+    result = single_nb_execution(nb, cwd=str(source.parent), timeout=timeout, allow_errors=False, record_timing=True)
     if result.err is not None:
         # nbclient stops at the failing cell: the last code cell with an error output. Its own error
         # (name and value, as the reader would see it) is the report; the whole traceback comes after.
@@ -36,7 +38,22 @@ def execute(source, out, timeout):
                 }
         return {"cell": None, "source": None, "error": result.exc_string, "traceback": result.exc_string}
     nbformat.write(nb, out)
-    return {"seconds": round(result.time, 1)}
+    return {"seconds": round(result.time, 1), "slowest": slowest_cells(nb)}
+
+
+def slowest_cells(nb, n=5):
+    """[[cell index, seconds], ...]: the `n` slowest cells, from the timestamps nbclient records."""
+    times = []
+    for i, cell in enumerate(nb.cells):
+        stamps = cell.get("metadata", {}).get("execution", {})
+        begin, end = stamps.get("iopub.status.busy"), stamps.get("shell.execute_reply")
+        if begin and end:
+            seconds = (
+                datetime.fromisoformat(end.replace("Z", "+00:00"))
+                - datetime.fromisoformat(begin.replace("Z", "+00:00"))
+            ).total_seconds()
+            times.append([i, round(seconds, 1)])
+    return sorted(times, key=lambda t: -t[1])[:n]
 
 
 def main(argv):

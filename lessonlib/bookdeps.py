@@ -111,13 +111,13 @@ def describe_failure(path, log):
 def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print):
     """Execute the notebooks, `jobs` at a time, each in a process (and session) of its own, bounded.
 
-    Returns ({path: seconds}, {path: failure text}, {path: executed copy}, scratch): the executed
-    copies are in `scratch`, a temporary folder the caller removes. Every process still running when
+    Returns ({path: seconds}, {path: failure text}, {path: executed copy}, scratch, {path: slowest
+    cells}): the executed copies are in `scratch`, a temporary folder the caller removes. Every process still running when
     this returns, or raises, is killed with everything it started.
     """
     scratch = Path(tempfile.mkdtemp(prefix="lessonlib-book-"))
     pending, running = list(paths), {}
-    times, failures, executed = {}, {}, {}
+    times, failures, executed, slowest = {}, {}, {}, {}
     try:
         while pending or running:
             while pending and len(running) < jobs:
@@ -149,7 +149,8 @@ def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print):
                 elif proc.returncode != 0:
                     failures[path] = describe_failure(path, text)
                 else:
-                    times[path] = json.loads(text.strip().splitlines()[-1])["seconds"]
+                    done = json.loads(text.strip().splitlines()[-1])
+                    times[path], slowest[path] = done["seconds"], done.get("slowest", [])
                     executed[path] = out
                 log(
                     f"lessonlib.bookdeps: {path.name}: "
@@ -160,7 +161,7 @@ def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print):
         for proc, mark, logfile, _, _ in running.values():
             kill_session(proc, mark)  # the executor, its kernel and every launch that kernel started
             logfile.close()
-    return times, failures, executed, scratch
+    return times, failures, executed, scratch, slowest
 
 
 def _note(app, docname, source):
@@ -210,7 +211,7 @@ def _execute_stale(app, env, docnames):
             + ", ".join(p.name for p, _, _ in stale)
         )
         started = time.monotonic()
-        times, failures, executed, scratch = execute_notebooks(
+        times, failures, executed, scratch, slowest = execute_notebooks(
             [p for p, _, _ in stale], config.execution_timeout, n, chapter_timeout(), log=logger.info
         )
         try:
@@ -233,6 +234,7 @@ def _execute_stale(app, env, docnames):
             "jobs": n,
             "seconds": round(time.monotonic() - started, 1),
             "executed": {str(p): s for p, s in times.items()},
+            "slowest_cells": {str(p): cells for p, cells in slowest.items()},
             "failures": {str(p): f for p, f in failures.items()},
         }
     Path(app.outdir).parent.joinpath(REPORT).write_text(json.dumps(report, indent=1))

@@ -95,6 +95,7 @@ class BookBuild:
     jobs: int = 0
     execution_seconds: float = 0.0
     times: dict = field(default_factory=dict)  # {notebook: seconds}
+    slowest: dict = field(default_factory=dict)  # {notebook: [[cell index, seconds], ...]}, the slowest cells
     failures: dict = field(default_factory=dict)  # {notebook: failure text}
     returncode: int | None = None  # of `jupyter-book build`
     log: str = ""
@@ -124,6 +125,7 @@ def execute_and_build(folder):
         report = json.loads(report_path.read_text())
         build.jobs, build.execution_seconds = report["jobs"], report["seconds"]
         build.times = {Path(p): s for p, s in report["executed"].items()}
+        build.slowest = {Path(p): cells for p, cells in report.get("slowest_cells", {}).items()}
         build.failures = {Path(p): f for p, f in report["failures"].items()}
     build.html = folder / "_build" / "html"
     return build

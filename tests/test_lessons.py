@@ -372,7 +372,9 @@ def test_forked_ranks_fail_as_a_launch_fails(tmp_path):
         text = run.describe_failure()
         assert not run.ok and run.failed_ranks == [0, 1] and run.root_cause.rank == 1, text
         assert run.root_cause.error == "ValueError: rank 1 gives up", text
-        assert text.startswith(f"{run.script} failed on rank(s) 0, 1 of 2.\nFirst failure (root cause): rank 1"), text
+        assert text.startswith(f"{run.script} failed on rank(s) 0, 1 of 2:\n  rank 0"), text
+        assert "\n  rank 1 (root cause): ValueError: rank 1 gives up" in text, text
+        assert "\nFirst failure (root cause): rank 1 exited 1" in text, text
         assert 'fails.py", line 9, in <module>' in run.root_cause.traceback, text
         assert "_rank_main" not in run.root_cause.traceback, text  # it reads as under a bare torchrun
         assert run.ranks[0].stdout == "rank 0 up\n", text

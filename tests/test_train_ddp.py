@@ -5,8 +5,8 @@ concurrent tests never share a port), real gloo, every run bounded and every pro
 after (lessonlib.runprocs.run_bounded). Specified here:
 
 - both scripts import torch, torchvision and the standard library only, never lessonlib;
-- train_ddp.py trains at 1 (plain `python`), 2, 3 and 4 ranks and reaches the accuracy it should;
-- stopped after epoch 1 and started again with the same command, it resumes from its checkpoint and
+- train_ddp.py trains at 1 (plain `python`), 2 and 3 ranks and reaches the accuracy it should;
+- stopped after epoch 0 and started again with the same command, it resumes from its checkpoint and
   ends with exactly the weights and optimizer state of a run that never stopped (plain and --amp);
 - the Start page's middle script (train_ddp.py with the mixed-precision changes taken out,
   lessonlib.scriptdiff) is a working script whose weights equal train_ddp.py's without --amp, bit for bit;
@@ -73,8 +73,10 @@ def test_imports_torch_and_the_standard_library_only(script):
     assert "lessonlib" not in script.read_text()
 
 
-@pytest.mark.parametrize("nproc", [None, 2, 3, 4], ids=lambda n: f"{n or 1}-rank")
-def test_trains_at_every_world_size_and_only_rank_0_prints(nproc):
+@pytest.mark.parametrize("nproc", [None, 3], ids=lambda n: f"{n or 1}-rank")
+def test_trains_at_one_rank_and_at_an_uneven_world_size_and_only_rank_0_prints(nproc):
+    """Plain `python` (a group of one) and 3 ranks (the global batch of 48 split 16 each; 2048 samples
+    do not divide by 3, so the sampler pads). Two ranks are run by the resume tests below."""
     out = run(["--epochs", "2"], nproc)
     epochs = [int(e) for e, _ in EPOCH_LINE.findall(out)]
     assert epochs == [0, 1], f"rank 0 alone should print one line per epoch; the epoch lines were {epochs}"
@@ -82,29 +84,37 @@ def test_trains_at_every_world_size_and_only_rank_0_prints(nproc):
     assert acc[1] >= 0.85, f"two epochs should reach a test accuracy of 0.85, reached {acc[1]}"
 
 
-@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
-def test_resume_after_epoch_1_equals_a_run_that_never_stopped(tmp_path, amp):
-    extra = ["--amp"] if amp else []
+def stop_resume_and_compare(tmp_path, extra):
+    """Run 1 epoch with a checkpoint, run again asking for 2 (it resumes and trains epoch 1 only), and
+    run 2 epochs in one go: the two checkpoints must be equal to the bit. Returns the one-go checkpoint."""
     stopped, whole = tmp_path / "stopped.pt", tmp_path / "whole.pt"
     first = run(["--epochs", "1", "--checkpoint", stopped, *extra], 2)
-    assert sorted(accuracies(first)) == [0]
-    second = run(["--epochs", "3", "--checkpoint", stopped, *extra], 2)
+    assert [int(e) for e, _ in EPOCH_LINE.findall(first)] == [0], "rank 0 alone prints, once per epoch"
+    second = run(["--epochs", "2", "--checkpoint", stopped, *extra], 2)
     assert f"resumed from {stopped} after epoch 0 (step" in second, second
-    assert sorted(accuracies(second)) == [1, 2], "the resumed run must train epochs 1 and 2 only"
-    run(["--epochs", "3", "--checkpoint", whole, *extra], 2)
+    assert sorted(accuracies(second)) == [1], "the resumed run must train epoch 1 only"
+    assert accuracies(second)[1] >= 0.85, f"two epochs at 2 ranks should reach 0.85: {accuracies(second)}"
+    run(["--epochs", "2", "--checkpoint", whole, *extra], 2)
     assert_same_state(state_of(stopped), state_of(whole))
     assert not list(tmp_path.glob("*.tmp")), "the atomic save left its temporary file"
+    return whole
 
 
-def test_the_start_pages_middle_script_is_train_ddp_without_amp(tmp_path):
+def test_resume_with_amp_equals_a_run_that_never_stopped(tmp_path):
+    assert "scaler" in state_of(stop_resume_and_compare(tmp_path, ["--amp"]))
+
+
+def test_resume_equals_a_run_that_never_stopped_and_the_start_pages_middle_script_equals_train_ddp(tmp_path):
+    """Without --amp. Then the Start page's middle script (train_ddp.py with the mixed-precision changes
+    taken out by lessonlib.scriptdiff) is run the same way: its weights equal train_ddp.py's, bit for bit."""
+    whole = stop_resume_and_compare(tmp_path, [])
     _, middle, _ = split_changes(ONE.relative_to(ROOT), SCRIPT.relative_to(ROOT))
     left = [line for line in middle.text.splitlines() if AMP_LINES.search(line)]
     assert not left, f"AMP lines left in the middle script: {left}"
     script = tmp_path / "train_ddp_no_amp.py"
     script.write_text(middle.text)
-    run(["--epochs", "1", "--checkpoint", tmp_path / "middle.pt"], 2, script=script)
-    run(["--epochs", "1", "--checkpoint", tmp_path / "full.pt"], 2)
-    a, b = state_of(tmp_path / "middle.pt"), state_of(tmp_path / "full.pt")
+    run(["--epochs", "2", "--checkpoint", tmp_path / "middle.pt"], 2, script=script)
+    a, b = state_of(tmp_path / "middle.pt"), state_of(whole)
     assert "scaler" in b and "scaler" not in a
     assert_same_state(a, b)
 
