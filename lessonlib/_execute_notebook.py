@@ -11,12 +11,15 @@ failed (its index counts markdown cells too; exit status 1).
 """
 
 import json
+import signal
 import sys
 from datetime import datetime
 from pathlib import Path
 
 import nbformat
 from jupyter_cache.executors.utils import single_nb_execution
+
+from lessonlib._lifeline import die_with_parent
 
 
 def execute(source, out, timeout):
@@ -59,6 +62,9 @@ def slowest_cells(nb, n=5):
 def main(argv):
     if len(argv) != 3:
         raise SystemExit(f"usage: python -m lessonlib._execute_notebook NOTEBOOK OUT TIMEOUT (got {argv})")
+    # If the build that started this process dies, even by SIGKILL, this one gets SIGTERM, on which
+    # nbclient shuts the kernel down (and the kernel's launches end with it: lessonlib._lifeline).
+    die_with_parent(signal.SIGTERM)
     report = execute(argv[0], argv[1], int(argv[2]))
     print(json.dumps(report), flush=True)
     sys.exit(0 if "seconds" in report else 1)

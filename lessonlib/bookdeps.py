@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from .runprocs import kill_session, marked_environment
+from .runprocs import kill_session, marked_environment, sigterm_cleans_up
 
 ROOT = Path(__file__).resolve().parent.parent  # the course checkout: lessons/ and book/ live here
 LESSON_PATH = re.compile(r"""["']((?:\.\./)?lessons/[\w./-]+\.py)["']""")
@@ -112,56 +113,65 @@ def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print):
     """Execute the notebooks, `jobs` at a time, each in a process (and session) of its own, bounded.
 
     Returns ({path: seconds}, {path: failure text}, {path: executed copy}, scratch, {path: slowest
-    cells}): the executed copies are in `scratch`, a temporary folder the caller removes. Every process still running when
-    this returns, or raises, is killed with everything it started.
+    cells}): the executed copies are in `scratch`, a temporary folder the caller removes. If this
+    raises, or the build is sent SIGTERM, every executor still running is killed with everything it
+    started (its kernel, the kernel's launches) and `scratch` is removed here.
     """
     scratch = Path(tempfile.mkdtemp(prefix="lessonlib-book-"))
-    pending, running = list(paths), {}
-    times, failures, executed, slowest = {}, {}, {}, {}
-    try:
-        while pending or running:
-            while pending and len(running) < jobs:
-                path = pending.pop(0)
-                out = scratch / f"{len(executed) + len(running) + len(failures)}-{path.name}"
-                logfile = open(scratch / f"{out.stem}.log", "w+")
-                env, mark = marked_environment()
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "lessonlib._execute_notebook", str(path), str(out), str(cell_timeout)],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=logfile,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    start_new_session=True,
-                )
-                running[path] = (proc, mark, logfile, out, time.monotonic())
-            for path, (proc, mark, logfile, out, started) in list(running.items()):
-                late = time.monotonic() - started > timeout
-                if proc.poll() is None and not late:
-                    continue
-                kill_session(proc, mark)  # a late executor, or what a finished one left (its kernel's launches)
-                logfile.seek(0)
-                text = logfile.read()
+    running = {}  # {path: (process, mark, log file, executed copy, start time)}
+    with sigterm_cleans_up():  # SIGTERM unwinds to the `except` below before the build ends
+        try:
+            times, failures, executed, slowest = _execute_all(
+                list(paths), running, scratch, cell_timeout, jobs, timeout, log
+            )
+        except BaseException:
+            for proc, mark, logfile, _, _ in running.values():
+                kill_session(proc, mark)  # the executor, its kernel and every launch that kernel started
                 logfile.close()
-                del running[path]
-                if late:
-                    failures[path] = f"{path}: still running after {timeout} s (killed)\n{text[-3000:]}"
-                elif proc.returncode != 0:
-                    failures[path] = describe_failure(path, text)
-                else:
-                    done = json.loads(text.strip().splitlines()[-1])
-                    times[path], slowest[path] = done["seconds"], done.get("slowest", [])
-                    executed[path] = out
-                log(
-                    f"lessonlib.bookdeps: {path.name}: "
-                    + (f"executed in {times[path]} s" if path in times else "FAILED")
-                )
-            time.sleep(0.2)
-    finally:
-        for proc, mark, logfile, _, _ in running.values():
-            kill_session(proc, mark)  # the executor, its kernel and every launch that kernel started
-            logfile.close()
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
     return times, failures, executed, scratch, slowest
+
+
+def _execute_all(pending, running, scratch, cell_timeout, jobs, timeout, log):
+    """execute_notebooks' loop: start executors up to `jobs`, collect each as it ends or runs late."""
+    times, failures, executed, slowest = {}, {}, {}, {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            path = pending.pop(0)
+            out = scratch / f"{len(executed) + len(running) + len(failures)}-{path.name}"
+            logfile = open(scratch / f"{out.stem}.log", "w+")
+            env, mark = marked_environment()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "lessonlib._execute_notebook", str(path), str(out), str(cell_timeout)],
+                cwd=ROOT,
+                env=env,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            running[path] = (proc, mark, logfile, out, time.monotonic())
+        for path, (proc, mark, logfile, out, started) in list(running.items()):
+            late = time.monotonic() - started > timeout
+            if proc.poll() is None and not late:
+                continue
+            kill_session(proc, mark)  # a late executor, or what a finished one left (its kernel's launches)
+            logfile.seek(0)
+            text = logfile.read()
+            logfile.close()
+            del running[path]
+            if late:
+                failures[path] = f"{path}: still running after {timeout} s (killed)\n{text[-3000:]}"
+            elif proc.returncode != 0:
+                failures[path] = describe_failure(path, text)
+            else:
+                done = json.loads(text.strip().splitlines()[-1])
+                times[path], slowest[path] = done["seconds"], done.get("slowest", [])
+                executed[path] = out
+            log(f"lessonlib.bookdeps: {path.name}: " + (f"executed in {times[path]} s" if path in times else "FAILED"))
+        time.sleep(0.2)
+    return times, failures, executed, slowest
 
 
 def _note(app, docname, source):

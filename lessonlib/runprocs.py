@@ -172,12 +172,13 @@ def run_bounded(argv, timeout, *, cwd=None, env=None, merge_output=True, input=N
         if input is not None:  # from a thread: a command that does not read must not block this one
             threading.Thread(target=_write_and_close, args=(proc.stdin, input), daemon=True).start()
         timed_out = False
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:
-            kill_session(proc, mark)
+        with sigterm_cleans_up():  # a SIGTERM to this process still kills the command first
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                kill_session(proc, mark)
         texts = []
         for f in (out, err):
             f.seek(0)
@@ -196,6 +197,38 @@ def _write_and_close(pipe, text):
     with contextlib.suppress(OSError):  # BrokenPipeError: the command ended without reading it all
         pipe.write(text.encode())
         pipe.close()
+
+
+class _Terminated(BaseException):
+    """Raised by sigterm_cleans_up's handler: unwinds the stack so that `finally` blocks run."""
+
+
+@contextlib.contextmanager
+def sigterm_cleans_up():
+    """While inside, SIGTERM unwinds this process's stack (every `finally` runs, killing what it
+    started), then ends the process as SIGTERM would have. Without it, SIGTERM ends Python at once
+    and the commands it started in sessions of their own (a book build, a notebook's kernel) live on.
+    Only in the main thread (Python runs signal handlers there), and only where SIGTERM has no
+    handler of its own yet; elsewhere it changes nothing."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
+        signal.SIG_DFL,
+        None,
+    ):
+        yield
+        return
+
+    def handler(signum, frame):
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # now with the default action: the process ends here
+        raise  # not reached
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def marked_environment(env=None):

@@ -10,16 +10,19 @@ LaunchError, the rank. That work is done once per session by the fixture `built_
 """
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from lessonlib.runprocs import run_bounded
+from lessonlib.runprocs import BOUNDED_VAR, kill_all, marked_environment, marked_processes, run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
@@ -152,34 +155,25 @@ def test_book_builds_and_executes_every_chapter(built_book, capsys):
             assert "lessonlib-run" in page.read_text(), f"{page.name} shows no side-by-side rank output"
 
 
-@pytest.mark.timeout(300)
-def test_a_failing_cell_is_named_with_its_notebook_and_rank(tmp_path):
-    """A deliberately broken mini-book, executed as the course's is: the build log must say which
-    notebook, which cell, which rank."""
-    (tmp_path / "_config.yml").write_text(
-        textwrap.dedent("""
-        title: broken
+def mini_book(folder, name, sources):
+    """A one-chapter book in `folder`, configured as the course's (lessonlib.bookdeps executes it), whose
+    notebook `name` has one code cell per source. Returns the book's folder."""
+    (folder / "_config.yml").write_text(
+        textwrap.dedent(f"""
+        title: {name}
         only_build_toc_files: true
-        execute: {execute_notebooks: cache, timeout: 120, allow_errors: false, run_in_temp: false}
-        sphinx: {extra_extensions: [lessonlib.bookdeps],
-                 config: {nb_execution_raise_on_error: true, nb_execution_show_tb: true}}
+        execute: {{execute_notebooks: cache, timeout: 120, allow_errors: false, run_in_temp: false}}
+        sphinx: {{extra_extensions: [lessonlib.bookdeps],
+                 config: {{nb_execution_raise_on_error: true, nb_execution_show_tb: true}}}}
     """)
     )
-    book = tmp_path / "book"
+    book = folder / "book"
     book.mkdir()
-    (book / "_toc.yml").write_text("format: jb-book\nroot: index\nchapters:\n  - file: broken\n")
+    (book / "_toc.yml").write_text(f"format: jb-book\nroot: index\nchapters:\n  - file: {name}\n")
     (book / "index.md").write_text("# index\n")
-    cells = [
-        {"cell_type": "markdown", "metadata": {}, "source": "# broken"},
-        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": "import lessonlib"},
-        {
-            "cell_type": "code",
-            "metadata": {},
-            "outputs": [],
-            "execution_count": None,
-            "source": 'lessonlib.launch("lessons/01_launch.py", nproc=2, args=["--fail-rank", "1"], '
-            'timeout=60, show="none").raise_for_status()',
-        },
+    cells = [{"cell_type": "markdown", "metadata": {}, "source": f"# {name}"}] + [
+        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": source}
+        for source in sources
     ]
     nb = {
         "cells": cells,
@@ -187,10 +181,75 @@ def test_a_failing_cell_is_named_with_its_notebook_and_rank(tmp_path):
         "nbformat": 4,
         "nbformat_minor": 5,
     }
-    (book / "broken.ipynb").write_text(json.dumps(nb))
+    (book / f"{name}.ipynb").write_text(json.dumps(nb))
+    return book
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_cell_is_named_with_its_notebook_and_rank(tmp_path):
+    """A deliberately broken mini-book, executed as the course's is: the build log must say which
+    notebook, which cell, which rank."""
+    launch = (
+        'lessonlib.launch("lessons/01_launch.py", nproc=2, args=["--fail-rank", "1"], '
+        'timeout=60, show="none").raise_for_status()'
+    )
+    book = mini_book(tmp_path, "broken", ["import lessonlib", launch])
     rc, log = build_book(book, timeout=240)
     assert rc != 0, "a notebook with a failing cell must fail the build"
     message = explain_failure(log)
     assert "broken.ipynb" in message, message
     assert "cell 2" in message, message
     assert "First failure (root cause): rank 1" in message, message
+
+
+SLEEPER = "import time\nprint('asleep', flush=True)\ntime.sleep(300)\n"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_book_build_stopped_mid_chapter_leaves_no_process_behind(tmp_path, sig):
+    """`jupyter-book build` stopped while a chapter's launch runs (a rank asleep for 300 s). SIGTERM (CI
+    cancelling a job, `kill`): the build kills every executor, with its kernel and the kernel's launch,
+    and removes its scratch folder before it ends. SIGKILL (nothing can be run in the build itself): the
+    executor is told by Linux (PR_SET_PDEATHSIG) and shuts its kernel down, and the launch ends with
+    the kernel (lessonlib._lifeline). Either way, within 30 s no process the build started is left."""
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text(SLEEPER)
+    launch = f'lessonlib.launch({str(sleeper)!r}, nproc=1, timeout=280, show="none")'
+    book = mini_book(tmp_path, "stopped", ["import lessonlib", launch])
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env, mark = marked_environment({**os.environ, "TMPDIR": str(scratch)})
+    log = open(tmp_path / "build.log", "w")
+    build = subprocess.Popen(
+        [str(JUPYTER_BOOK), "build", str(book), "--all"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while not any("_rank_main" in " ".join(p.cmdline()) for p in marked_processes(BOUNDED_VAR, mark)):
+            assert build.poll() is None, (
+                f"the build ended before its launch started:\n{(tmp_path / 'build.log').read_text()}"
+            )
+            assert time.monotonic() < deadline, "the chapter's launch did not start in 150 s"
+            time.sleep(0.5)
+        os.kill(build.pid, sig)
+        build.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while marked_processes(BOUNDED_VAR, mark) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = [" ".join(p.cmdline())[:150] for p in marked_processes(BOUNDED_VAR, mark)]
+        assert not left, f"{len(left)} process(es) of the build outlived it by 30 s: {left}"
+        if sig == signal.SIGTERM:
+            assert build.returncode == -signal.SIGTERM, build.returncode
+            assert not list(scratch.glob("lessonlib-book-*")), "the build left its scratch folder"
+    finally:
+        if build.poll() is None:
+            os.killpg(build.pid, signal.SIGKILL)
+            build.wait()
+        kill_all(marked_processes(BOUNDED_VAR, mark))
+        log.close()

@@ -619,6 +619,31 @@ def test_run_bounded_reaches_a_bounded_command_inside_a_bounded_command():
     assert marked == [], f"left running: {marked}"
 
 
+def test_sigterm_to_a_process_in_run_bounded_kills_the_command_first():
+    """A process waiting in run_bounded and sent SIGTERM (pytest stopped by CI, `kill`) first kills the
+    command and all it started (a process in a session of its own here), then ends as SIGTERM ends it."""
+    command = [sys.executable, "-c", DETACHED.format(wait=600)]
+    code = f"from lessonlib.runprocs import run_bounded\nrun_bounded({command!r}, 600)"
+    waiter = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True
+    )
+    try:
+        deadline, started = time.monotonic() + 60, []
+        while not any(p.cmdline()[-1:] == ["import time; time.sleep(600)"] for p in started):
+            assert waiter.poll() is None and time.monotonic() < deadline, "the command's child never started"
+            time.sleep(0.1)
+            started = psutil.Process(waiter.pid).children(recursive=True)
+        waiter.send_signal(signal.SIGTERM)
+        assert waiter.wait(timeout=20) == -signal.SIGTERM, "it should end as SIGTERM ends a process"
+        time.sleep(0.5)  # killed processes finish dying
+        left = [p.pid for p in started if not _gone(p.pid)]
+        assert left == [], f"pids {left}, started under run_bounded, outlived the SIGTERM"
+    finally:
+        if waiter.poll() is None:
+            os.killpg(waiter.pid, signal.SIGKILL)
+            waiter.wait()
+
+
 FAILS_ONCE = """import os, sys
 import lessonlib
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
