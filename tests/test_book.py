@@ -145,7 +145,8 @@ def test_book_builds_and_executes_every_chapter(built_book, capsys):
     with capsys.disabled():
         print(f"\nchapter execution, {book.jobs} at a time: {book.execution_seconds:.0f} s")
         for path, seconds in sorted(book.times.items()):
-            print(f"  {path.relative_to(ROOT)}: {seconds:.1f} s")
+            cells = ", ".join(f"cell {i} {s:.0f} s" for i, s in book.slowest.get(path, []))
+            print(f"  {path.relative_to(ROOT)}: {seconds:.1f} s" + (f" (slowest: {cells})" if cells else ""))
     assert not book.failures, "\n\n".join(book.failures.values())
     assert book.returncode == 0, explain_failure(book.log)
     for path in book.notebooks:
