@@ -16,9 +16,11 @@ after (lessonlib.runprocs.run_bounded). Specified here:
 
 import ast
 import json
+import os
 import re
 import struct
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,7 +39,8 @@ EPOCH_LINE = re.compile(r"epoch (\d+): train loss [\d.]+ acc [\d.]+ \| test loss
 def run(args, nproc=None, script=SCRIPT, timeout=TIMEOUT):
     """The script at `nproc` ranks under torchrun (None: plain python); its output, which must say success."""
     argv = [PYTHON, script] if nproc is None else [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", script]
-    done = run_bounded([*argv, *args], timeout, cwd=ROOT)
+    with tempfile.TemporaryDirectory() as tmp:  # torchrun's torchelastic_* log folder lands here, not in /tmp
+        done = run_bounded([*argv, *args], timeout, cwd=ROOT, env={**os.environ, "TMPDIR": tmp})
     assert not done.timed_out, f"{script.name} {args} at {nproc} ranks did not end in {timeout} s:\n{done.output}"
     assert done.returncode == 0, f"{script.name} {args} at {nproc} ranks exited {done.returncode}:\n{done.output}"
     return done.output
