@@ -482,6 +482,7 @@ def test_a_cell_timeout_interrupts_the_launch_and_the_next_cell_launches_again(f
     process of the run (a grandchild in a session of its own too) before the cell ends, and the next
     cell, in the same kernel, finds none of them and launches again successfully."""
     import nbformat
+    from jupyter_core.utils import run_sync
     from nbclient import NotebookClient
 
     hang = KERNEL_LAUNCH.format(script=str(fault_case.script), args=["sleep", "--grandchild"], env=fault_case.env())
@@ -498,15 +499,23 @@ print("launched again:", [r.stdout for r in run.ranks])
         nbformat.v4.new_code_cell(hang, metadata={"test_timeout": CELL_TIMEOUT}),
         nbformat.v4.new_code_cell(after),
     ]
+    km = kernel_manager(fault_case, asynchronous=True)
     client = NotebookClient(
         nb,
-        km=kernel_manager(fault_case, asynchronous=True),
+        km=km,
         timeout_func=lambda cell: cell.metadata.get("test_timeout", 120),
         interrupt_on_timeout=True,
         allow_errors=True,
         resources={"metadata": {"path": str(ROOT)}},
     )
-    client.execute()
+    try:
+        client.execute()
+        kernel = psutil.Process(km.provisioner.process.pid)
+    finally:  # nbclient shuts down only a kernel it started itself: this one is the test's to end
+        run_sync(km.shutdown_kernel)(now=True)
+    assert not kernel.is_running() or kernel.status() == psutil.STATUS_ZOMBIE, (
+        f"the kernel {kernel.pid} outlived the test"
+    )
     errors = [[o for o in c.outputs if o.output_type == "error"] for c in nb.cells]
     assert errors[0] == [] and errors[2] == [], f"cells failed: {errors}"
     assert [e.ename for e in errors[1]] == ["KeyboardInterrupt"], errors[1]
