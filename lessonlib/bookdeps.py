@@ -49,7 +49,8 @@ DEFAULT_CHAPTER_TIMEOUT = 2400  # seconds for one chapter, all its cells: a boun
 
 def dependencies(notebook_text, folder):
     """Files a notebook's code cells depend on: the lessons they name, found from the notebook's
-    folder or the course root (as the launcher finds them), plus lessonlib's modules when they use it."""
+    folder or the course root (as the launcher finds them), plus lessonlib's modules and the runs it
+    serves from book/captured/ when they use it."""
     try:
         cells = json.loads(notebook_text).get("cells", [])
     except ValueError:
@@ -62,8 +63,9 @@ def dependencies(notebook_text, folder):
             if path.is_file():
                 found.add(path)
                 break
-    if "lessonlib" in code:
+    if "lessonlib" in code:  # its modules, and the recorded runs it serves (book/captured/: a GPU's output)
         found.update(p.resolve() for p in (ROOT / "lessonlib").glob("*.py"))
+        found.update(p.resolve() for p in (ROOT / "book" / "captured").glob("*.json"))
     return sorted(found)
 
 

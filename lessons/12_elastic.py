@@ -15,8 +15,10 @@ rank asserts that its weights equal those of one process that trained on the sam
 interruption (within 1e-12: float64 sums in another order, as in chapter 5), failure injected or not.
 The checkpoint folder is DIR (kept: a later torchrun resumes from it), or one named after
 TORCHELASTIC_RUN_ID in the temporary folder, the same for every attempt of one torchrun, which rank 0
-removes when the run ends well (a run that fails for good leaves it). With several nodes, give a DIR
-that every node sees. Under plain python, or without torchrun's variables: a temporary folder.
+removes when the run ends well (a run that fails for good leaves it). A static rendezvous (--master-port
+without --rdzv-id) names every run "none", so without --dir the script refuses to start rather than
+resume another job's checkpoint. With several nodes, give a DIR that every node sees. Under plain
+python, or without torchrun's variables: a temporary folder. The world size must divide the 12 rows.
 """
 
 import argparse
@@ -118,6 +120,14 @@ def main():
     args = parser.parse_args()
     if args.fail_at is not None and not 0 <= args.fail_at < args.steps:
         parser.error(f"--fail-at must be a step from 0 to {args.steps - 1}")
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if ROWS % world_size:
+        sizes = ", ".join(str(n) for n in range(1, ROWS + 1) if ROWS % n == 0)
+        parser.error(f"{world_size} ranks cannot split the global batch of {ROWS} rows evenly: run at {sizes} ranks")
+    # A static rendezvous (--master-port, no --rdzv-id) names every run "none": a folder named after it
+    # would hand one job's checkpoint to the next, unrelated, job.
+    if not args.dir and os.environ.get("TORCHELASTIC_RUN_ID") == "none":
+        parser.error("TORCHELASTIC_RUN_ID is 'none' (torchrun with --master-port): give --dir, or torchrun --rdzv-id")
     # [start: attempt]
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # 0, then 1 after the first restart, ...
     # [end: attempt]

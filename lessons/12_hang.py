@@ -4,7 +4,8 @@ A rank that skips a collective: the others wait for it, and only a bound turns t
 
 Options: --bug barrier-in-if or --bug eval-in-if (make the mistake; default: none), --pg-timeout S (default 30),
 --watchdog S (print every thread's stack when an epoch takes longer than S seconds), --monitored (rank 0 waits
-in monitored_barrier, which names the ranks that never arrive), --epochs N (default 2).
+in monitored_barrier, which names the ranks that never arrive), --epochs N (default 2), --flight-recorder DIR
+(with --watchdog S: at S+1 seconds also write this rank's flight-recorder trace to DIR/rank_<rank>).
 
 Every epoch, each rank trains (an all_reduce of its loss), rank 0 saves a checkpoint while the others wait
 for it, and every rank evaluates its share of the data and sends its count of correct answers to rank 0
@@ -21,6 +22,8 @@ import datetime
 import faulthandler
 import os
 import signal
+import threading
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -72,6 +75,14 @@ def epoch_end(ctx, epoch, bug, monitored, timeout):
     return correct.item() if ctx.is_main else None
 
 
+def dump_flight_recorder(folder, rank):
+    # [start: flight_recorder]
+    # The flight recorder keeps each rank's last collectives (TORCH_FR_BUFFER_SIZE of them), gloo's too in
+    # torch 2.14.1; NCCL writes them out by itself on a timeout, gloo does not, so write them here.
+    Path(folder, f"rank_{rank}").write_bytes(torch._C._distributed_c10d._dump_fr_trace())
+    # [end: flight_recorder]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--bug", choices=BUGS, default="none", help="the mistake to make (default: none)")
@@ -79,7 +90,12 @@ def main():
     parser.add_argument("--watchdog", type=float, default=0.0, help="dump stacks if an epoch takes this long")
     parser.add_argument("--monitored", action="store_true", help="rank 0 waits in monitored_barrier instead")
     parser.add_argument("--epochs", type=int, default=2, choices=range(1, 11), metavar="1..10")
+    parser.add_argument("--flight-recorder", type=Path, help="with --watchdog, write the recorder's trace here")
     args = parser.parse_args()
+    if args.flight_recorder and not args.watchdog:
+        parser.error("--flight-recorder writes the trace when --watchdog fires: give --watchdog S too")
+    if args.flight_recorder:  # read when the process group is made, so set before setup
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "64")
 
     # [start: stacks]
     # Where is each rank stuck? `kill -USR1 PID` prints every thread's Python stack to stderr, at once,
@@ -95,10 +111,15 @@ def main():
         if args.watchdog:  # a watchdog: print every stack if this epoch is not over in time
             faulthandler.dump_traceback_later(args.watchdog, exit=False)
         # [end: watchdog]
+        if args.flight_recorder:  # a thread (the main one waits in a collective): a second after the stacks
+            recorder = threading.Timer(args.watchdog + 1, dump_flight_recorder, (args.flight_recorder, ctx.rank))
+            recorder.start()
         loss = train_step(epoch, ctx.rank)
         correct = epoch_end(ctx, epoch, args.bug, args.monitored, timeout)
         if args.watchdog:
             faulthandler.cancel_dump_traceback_later()
+        if args.flight_recorder:
+            recorder.cancel()
         expected_loss = sum(epoch + r for r in range(ctx.world_size))
         assert loss == expected_loss, f"rank {ctx.rank}: epoch {epoch} loss {loss}, expected {expected_loss}"
         if ctx.is_main:
