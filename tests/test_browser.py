@@ -776,6 +776,9 @@ def stop_lab(proc, url, token, mark):
     return described
 
 
+# Needs no built book. Its marks name the groups "book" and "lab", which pytest-xdist joins into a
+# group of its own ("book_lab"): it then runs beside the book build, not after it on the book's worker.
+@pytest.mark.xdist_group("lab")
 @pytest.mark.timeout(3 * LAB_TIMEOUT + 300)
 def test_a_reader_runs_chapter_1_to_its_first_launch_in_jupyterlab(browser, tmp_path):
     """The reader's path: chapter 1 opened in JupyterLab, its cells run from the top through the first
