@@ -10,7 +10,8 @@
     sent_per_step(params, world_size, strategy)      # and what each rank sends per step
 
 The bytes sent are measured, not assumed: `/proc/self/io`'s `wchar` counts every byte this process
-passed to write() or send(), and gloo moves tensors over TCP sockets, so the difference around a step
+passed to the write family of system calls (write, writev, ...; not send, sendto or sendmsg), and
+gloo's TCP transport sends tensors with writev (strace shows it), so the difference around a step
 is what the rank really sent (nothing else may write meanwhile: no print inside the block). Other
 systems have no /proc: `sent` is then None and the lessons say so. The calls are counted by a
 TorchDispatchMode, which sees every c10d collective started on this thread, the ones DDP's C++
@@ -23,6 +24,7 @@ import tempfile
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 IO = "/proc/self/io"
@@ -49,7 +51,8 @@ STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 
 
 def bytes_written():
-    """Bytes this process has passed to write()/send() since it started (Linux), or None elsewhere."""
+    """Bytes this process has passed to write(), writev() and the like since it started (Linux), or None
+    elsewhere. send(), sendto() and sendmsg() are not counted: check_counted catches a transport that uses them."""
     try:
         with open(IO) as f:
             for line in f:
@@ -111,7 +114,23 @@ class Traffic:
         self._mode.__exit__(*exc)
         end = bytes_written()
         self.sent = None if end is None or self._start is None else end - self._start
+        if exc[0] is None and dist.is_initialized():
+            check_counted(self.sent, sum(self.payload.values()), dist.get_world_size())
         return False
+
+
+def check_counted(sent, payload, world_size):
+    """Raise when collectives with a payload ran across ranks and `wchar` did not move at all.
+
+    `wchar` counts the write family of system calls (gloo's TCP pairs use `writev`), not `send`,
+    `sendto` or `sendmsg`: a transport that sends with those would read as 0 bytes, not as a cheap step.
+    """
+    if sent == 0 and payload > 0 and world_size > 1:
+        raise RuntimeError(
+            f"collectives gave {payload} bytes to {world_size} ranks, yet /proc/self/io's wchar did not "
+            "move: this transport sends with send()/sendmsg(), which wchar does not count, so Traffic "
+            "cannot measure it"
+        )
 
 
 def held(tensors):

@@ -6,7 +6,8 @@ Options: --parts collectives,step (the default: both); --mib 1 (part 1's tensor)
 (part 2's model); --pg-timeout S.
 
 Bytes are measured, not assumed: lessonlib.sharding.Traffic reads /proc/self/io's wchar (every byte the
-process passed to write() or send()) before and after, and counts the c10d collectives inside by name.
+process passed to write(), writev() and the like, which gloo's TCP transport sends with) before and after,
+and counts the c10d collectives inside by name.
   1. collectives: one tensor of B bytes through all_reduce, all_gather_single (output B),
      reduce_scatter_single (input B) and broadcast. Asserted per rank against the ring model, within TOL:
      all_reduce 2(N-1)/N*B, all_gather (N-1)/N*B; gloo's reduce-scatter sends 2(N-1)/N*B, twice the

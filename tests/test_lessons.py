@@ -350,7 +350,7 @@ HANGING = """import time
 import torch.distributed as dist
 import lessonlib
 
-ctx = lessonlib.setup(device="cpu")
+ctx = lessonlib.setup(device="cpu", timeout=600)  # the run's bound, not the group's, must end the wait
 print(f"rank {ctx.rank} up", flush=True)
 if ctx.rank == 1:
     time.sleep(600)  # rank 1 never arrives

@@ -12,6 +12,7 @@ import pytest
 from lessonlib.sharding import (
     STRATEGIES,
     bytes_written,
+    check_counted,
     per_rank_bytes,
     plan,
     sent_per_step,
@@ -73,3 +74,13 @@ def test_bytes_written_counts_this_process_writes(tmp_path):
     os.write(fd, b"x" * 100_000)
     os.close(fd)
     assert bytes_written() - before >= 100_000
+
+
+def test_a_transport_that_wchar_cannot_see_is_an_error_not_zero_bytes():
+    # wchar counts writev (gloo), not send/sendmsg: 0 bytes for a real payload across ranks is refused.
+    with pytest.raises(RuntimeError, match=r"wchar did not move: this transport sends with send\(\)"):
+        check_counted(0, 4096, 2)
+    check_counted(0, 4096, 1)  # one rank sends nothing: 0 is the truth
+    check_counted(0, 0, 4)  # no payload given
+    check_counted(8192, 4096, 2)
+    check_counted(None, 4096, 2)  # no /proc: Traffic reports None, as before
