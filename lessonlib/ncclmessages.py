@@ -35,7 +35,7 @@ MESSAGES = (
         symptom="A collective some rank never joins, or one that never completes",
         gloo="Timed out waiting 4000ms for recv operation to complete (raised in every waiting rank's own thread)",
         nccl="[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3, OpType=ALLREDUCE, "
-        "NumelIn=1, NumelOut=1, Timeout(ms)=5000) ran for 5084 milliseconds before timing out. "
+        "NumelIn=1, NumelOut=1, Timeout(ms)=5000) ran for 5077 milliseconds before timing out. "
         "(printed by a watchdog thread; the Python thread is still inside whatever waits for the GPU)",
         seen="run",
         file="torch/lib/libtorch_cuda.so",
