@@ -19,6 +19,7 @@ import time
 
 import psutil
 
+from lessonlib import _forkrank
 from lessonlib._runfolder import LAUNCHER_PID_VAR, RUN_DIR_VAR, RUN_ID_VAR
 from lessonlib.runprocs import run_processes
 
@@ -47,4 +48,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--legacy"]:
         module = "torch.distributed.launch"
         del sys.argv[1]
+    if _forkrank.wanted():  # ranks forked from this agent, torch already imported (lessonlib._forkrank)
+        _forkrank.install()
     runpy.run_module(module, run_name="__main__", alter_sys=True)

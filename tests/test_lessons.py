@@ -1,8 +1,9 @@
 """Every lesson script runs to the end on every rank at world sizes 1, 2, 3 and 4.
 
-World size 1 runs the lesson the way the README's second command does, `python lessons/X.py`: a
-fresh interpreter, with none of torchrun's variables, so lessonlib.setup makes a process group of one
-rank. World sizes 2 to 4 start one process per rank, each entering through lessonlib._rank_main (the
+World size 1 runs the lesson the way the README's second command does, `python lessons/X.py`: with
+none of torchrun's variables, so lessonlib.setup makes a process group of one rank (forked like the
+ranks below; a script that is only ever run with `python` runs as that fresh command). World sizes 2
+to 4 start one process per rank, each entering through lessonlib._rank_main (the
 rank wrapper every launch uses: output files, start and exit records, a stack dump when asked) with
 the environment lessonlib.launch and torchrun give it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT on a reserved port, the run folder, ...), and the run folder is read into a RunResult by
@@ -176,10 +177,12 @@ TORCHRUN_VARS = (
 FAILURE_GRACE = 5.0  # seconds the other ranks get after one failed, as torchrun's agent gives them
 
 
-def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT):
+def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT, plain=False):
     """The lesson at `world_size` ranks, each entering through lessonlib._rank_main with the environment
     lessonlib.launch gives it, bounded; returns the RunResult, read from the run folder by the
     launcher's own code (lessonlib.result.read_result), so a failure reads as it would in the book.
+    `plain=True` (world size 1 only) is `python lessons/X.py`: none of torchrun's variables and no store,
+    so lessonlib.setup makes a group of one as it does for a reader's plain run.
 
     The ranks are forked from a server that has imported torch already (tests/rankfork.py), and the
     test stands in for torchrun's agent: it hosts the rendezvous store and watches the ranks. When a
@@ -201,6 +204,8 @@ def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT):
         rendezvous="c10d",
         cwd=ROOT,
     )
+    if plain and world_size != 1:
+        raise ValueError(f"plain=True is `python lessons/X.py`, one process; got world_size={world_size}")
     run_id, run_dir = uuid.uuid4().hex, tmp_path / "run"
     run_dir.mkdir(parents=True)
     watch = RankWatch(str(run_dir), world_size)
@@ -219,9 +224,14 @@ def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT):
             "OMP_NUM_THREADS": "1",
             "TORCHELASTIC_USE_AGENT_STORE": "True",
         }
+        if plain:
+            # (torch in the fork server was loaded with torchrun's OMP_NUM_THREADS=1, so a plain run here
+            # has one intra-op thread where a reader's may have more: the same code, at another speed.)
+            drop = (*TORCHRUN_VARS, "OMP_NUM_THREADS")
+            base = {k: v for k, v in base.items() if k not in drop and not k.startswith("TORCHELASTIC_")}
         try:
             for rank in range(world_size):
-                env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                env = {**base} if plain else {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
                 procs.append(rankfork.start_rank(spec.script, spec.args, ROOT, env))
             deadline, failed_at = t0 + timeout, None
             while any(p.exitcode is None for p in procs):
@@ -301,8 +311,8 @@ def test_lesson_runs(lesson, world_size, request, tmp_path):
         assert code == 0, f"python {lesson.name} --world-size {world_size} exited {code}:\n{out[-5000:]}"
         return
     if world_size == 1:
-        code, out = run_plain(lesson)
-        assert code == 0, f"python {lesson.name} exited {code}:\n{out[-5000:]}"
+        run = run_ranks(lesson, 1, tmp_path, plain=True)
+        assert run.ok, run.describe_failure()
         return
     if lesson.name.startswith("01_"):
         run = lessonlib.launch(lesson, nproc=world_size, timeout=TIMEOUT, show="none")

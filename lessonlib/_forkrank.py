@@ -1,0 +1,228 @@
+"""Ranks forked from the torchrun agent that `lessonlib.launch` starts, instead of a fresh `python` each.
+
+torchrun starts every rank as a new process: `python -u -m lessonlib._rank_main SCRIPT ARGS`. Each one
+then imports torch (about 2 CPU-seconds) and, at its first optimizer, torch._dynamo (about 2 more),
+which the agent has already paid for. On a 2-core machine a small lesson's run is mostly those
+imports. So in the agent (lessonlib._agent_main) this module replaces the one step of torchrun that
+starts a worker, `SubprocessHandler._popen`: for that exact command it forks the agent instead, and the
+child becomes the rank a fresh `python` would have been, then runs lessonlib._rank_main in-process.
+Everything else is torchrun's own: its rendezvous, its environment for each rank, its watching,
+stopping, restarting and failure summary, which see a child process with a pid, as before.
+
+What the child resets, so that a rank cannot tell the difference in what it computes or prints:
+
+- a session of its own (torchrun's `start_new_session`), the environment torchrun gave the rank (in
+  os.environ, so C++ code reading it sees it too), the agent's files torchrun asked for on fd 1 and 2;
+- the state of a fresh interpreter that has imported torch, saved in the agent before torchrun ran:
+  signal handlers (torchrun's own are dropped), warning filters, the root logger's handlers, sys.path;
+- fresh random seeds (torch's and numpy's; Python's `random` reseeds at every fork), the intra-op
+  thread count from OMP_NUM_THREADS as torch reads it at start, unbuffered stdout and stderr (`-u`);
+- lessonlib's modules dropped, so the lesson imports what it uses, as a fresh process would;
+- at the end, what the interpreter does at exit (non-daemon threads joined, atexit functions run,
+  streams flushed), then the exit status, as a number or a signal, as before.
+
+What differs, and is visible only from outside: the rank's command line (`ps`, `pgrep -f`) is the
+agent's, which names the script too; /proc/PID/environ shows the agent's variables, the run's marker
+among them (lessonlib.runprocs finds the rank by it as before); and the string hash seed is the agent's
+(PYTHONHASHSEED). A machine with NVIDIA devices, or LESSONLIB_FRESH_RANKS=1 in the launch's environment,
+gets torchrun's own fresh processes: a CUDA driver touched in the agent would not survive a fork.
+The chapters' torchrun commands that readers type start fresh processes: this is `launch`'s alone.
+"""
+
+import atexit
+import contextlib
+import gc
+import io
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import traceback
+import warnings
+import weakref
+from pathlib import Path
+
+FRESH_VAR = "LESSONLIB_FRESH_RANKS"  # "1": every rank a fresh `python`, as torchrun alone starts them
+RANK_MODULE = "lessonlib._rank_main"
+
+_saved = None  # the fresh interpreter's state, saved by install()
+_kept = []  # the agent's own stream objects, kept alive in a child so they never flush there
+
+
+def wanted(environ=os.environ):
+    """Fork ranks here? Not when asked for fresh ones, and not where a GPU could be in use."""
+    if environ.get(FRESH_VAR) == "1":
+        return False
+    return not (sys.platform.startswith("linux") and any(Path("/dev").glob("nvidia[0-9]*"))) and hasattr(os, "fork")
+
+
+def install():
+    """In the agent, after `import torch` and before torchrun runs: save the fresh state, patch torchrun."""
+    global _saved
+    import torch  # noqa: F401 - the state saved below is that of a fresh process with torch imported
+
+    # The first optimizer of every training rank imports torch._dynamo (2 CPU-seconds): pay once, here.
+    # Importing it makes inductor's cache folder (torchinductor_USER) in the temporary folder and names it
+    # in os.environ; the agent takes both back (an empty folder it made, a variable it set), leaving them
+    # to the ranks whose code does that, as without this.
+    tmp, had_var = tempfile.gettempdir(), "TORCHINDUCTOR_CACHE_DIR" in os.environ
+    before = set(os.listdir(tmp))
+    import torch._dynamo  # noqa: F401
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    if not had_var:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    for name in set(os.listdir(tmp)) - before:
+        if name.startswith("torchinductor_"):
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(tmp, name))  # only if empty
+
+    _saved = {
+        "signals": {s: signal.getsignal(s) for s in signal.valid_signals() if signal.getsignal(s) is not None},
+        "filters": list(warnings.filters),
+        "root": (list(logging.root.handlers), logging.root.level),
+        "path": list(sys.path),
+        "finalizers": set(weakref.finalize._registry),
+    }
+    original = subprocess_handler.SubprocessHandler._popen
+
+    def _popen(self, args, env):
+        if len(args) > 4 and args[0] == sys.executable and list(args[1:4]) == ["-u", "-m", RANK_MODULE]:
+            return ForkedRank(list(args[4:]), env, self._stdout, self._stderr)
+        return original(self, args, env)
+
+    subprocess_handler.SubprocessHandler._popen = _popen
+    # Every object so far moves out of the collector's reach: a child's collections then never write to
+    # (and so copy) the pages the agent's objects live on.
+    gc.freeze()
+
+
+class ForkedRank:
+    """What torchrun keeps of a worker (pid, poll, wait, returncode), for a rank forked from this agent."""
+
+    def __init__(self, rank_args, env, stdout, stderr):
+        for stream in (sys.stdout, sys.stderr):  # nothing of the agent's may be left to flush in the child
+            with contextlib.suppress(Exception):
+                stream.flush()
+        with warnings.catch_warnings():  # Python 3.12+ warns of any fork in a process with threads
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            _become_rank(rank_args, env, stdout, stderr)  # never returns
+        self.pid, self.returncode, self.args = pid, None, rank_args
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if timeout is None:
+            if self.returncode is None:
+                self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+            return self.returncode
+        import subprocess
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+def _become_rank(rank_args, env, stdout, stderr):
+    """In the forked child: become a fresh rank, run lessonlib._rank_main, exit with its status."""
+    code = 1
+    try:
+        os.setsid()
+        for fd, target in ((1, stdout), (2, stderr)):
+            if target is not None:
+                os.dup2(target.fileno(), fd)
+        _fresh_state(env)
+        code = _run(rank_args)
+    except BaseException:  # noqa: BLE001 - a child that returned into the agent's code would run the agent
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _fresh_state(env):
+    os.environ.clear()
+    os.environ.update(env)
+    for sig, handler in _saved["signals"].items():
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, handler)
+    warnings.filters[:] = _saved["filters"]
+    warnings._filters_mutated()
+    handlers, level = _saved["root"]
+    logging.root.handlers[:] = handlers
+    logging.root.setLevel(level)
+    sys.path[:] = _saved["path"]
+    for key in set(weakref.finalize._registry) - _saved["finalizers"]:  # the agent's, not the rank's
+        weakref.finalize._registry.pop(key, None)
+    # `python -u`: stdout and stderr unbuffered on fds 1 and 2. The agent's stream objects are kept, not
+    # closed: closing or collecting them would write whatever they hold into the rank's files.
+    _kept.extend([sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__])
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), "utf-8", write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), "utf-8", "backslashreplace", write_through=True
+    )
+    import multiprocessing
+
+    import torch
+
+    multiprocessing.set_start_method(None, force=True)
+    torch.seed()  # a fresh process draws torch's seed at start
+    if "numpy.random" in sys.modules:  # and numpy's at its first import
+        sys.modules["numpy.random"].seed()
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch reads it once, at start
+    for name in [m for m in sys.modules if m == "lessonlib" or m.startswith("lessonlib.")]:
+        del sys.modules[name]
+
+
+def _run(rank_args):
+    """lessonlib._rank_main as `python -u -m lessonlib._rank_main ARGS` runs it; returns the exit status."""
+    import runpy
+
+    sys.argv = ["-m", *rank_args]
+    try:
+        runpy.run_module(RANK_MODULE, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    except BaseException:  # noqa: BLE001 - as the interpreter does with an uncaught exception
+        traceback.print_exc()
+        code = 1
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)  # SystemExit("text"): printed, status 1
+        code = 1
+    # What the interpreter does on its way out: wait for non-daemon threads, run atexit functions, flush.
+    with contextlib.suppress(BaseException):
+        threading._shutdown()
+    atexit._run_exitfuncs()
+    gc.collect()  # the script's objects, files among them, closed as the interpreter's teardown would
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            stream.flush()
+    return code & 0xFF
