@@ -37,11 +37,12 @@ book: $(STAMP)
 # the book test (one long test, which itself executes two chapters at a time: BOOK_JOBS) runs beside the
 # lessons instead of after them. The browser tests (tests/test_browser.py) open the pages that the book
 # test built: --dist loadgroup keeps the tests of xdist group "book" on one worker, one after the other,
-# so the book is executed and built once. JOBS=1 runs the tests serially.
+# so the book is executed and built once. JOBS=1 runs the tests serially. The 15 slowest tests are listed
+# at the end (--durations), so that drift in CI's time shows where it comes from.
 JOBS ?= $(shell n=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2); n=$$((n + 1)); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup tests
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup --durations=15 tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/launch_overhead.py

@@ -4,7 +4,8 @@
 
 The same function and settings as MyST-NB's own execution with `run_in_temp: false`: jupyter-cache's
 `single_nb_execution`, the kernel started in the notebook's folder, TIMEOUT seconds per cell, errors
-not allowed. The last line on stdout is JSON: `{"seconds": S, "slowest": [[CELL, S], ...]}` (the five
+not allowed. The kernel is the one the chapter names, or this environment's Python kernel when that
+one is not registered (kernel_choice). The last line on stdout is JSON: `{"seconds": S, "slowest": [[CELL, S], ...]}` (the five
 slowest cells, from the per-cell times nbclient records) after the executed notebook was written to
 OUT (exit status 0), or `{"cell": I, "source": ..., "error": "Name: message", "traceback": ...}` for the cell that
 failed (its index counts markdown cells too; exit status 1).
@@ -26,7 +27,9 @@ def execute(source, out, timeout):
     """Execute the notebook at `source`; write it to `out` and return the report (a dict)."""
     source = Path(source).resolve()
     nb = nbformat.read(source, as_version=4)
-    result = single_nb_execution(nb, cwd=str(source.parent), timeout=timeout, allow_errors=False, record_timing=True)
+    result = single_nb_execution(
+        nb, cwd=str(source.parent), timeout=timeout, allow_errors=False, record_timing=True, **kernel_choice(nb)
+    )
     if result.err is not None:
         # nbclient stops at the failing cell: the last code cell with an error output. Its own error
         # (name and value, as the reader would see it) is the report; the whole traceback comes after.
@@ -45,6 +48,20 @@ def execute(source, out, timeout):
         cell.get("metadata", {}).pop("execution", None)
     nbformat.write(nb, out)
     return {"seconds": round(result.time, 1), "slowest": slowest}
+
+
+def kernel_choice(nb):
+    """{} to run the kernel the chapter names (`dp-course`, which `make setup` registers), or
+    {"kernel_name": "python3"} when no kernel of that name is registered: the Python kernel of the
+    environment running the build (jupyter_client starts a spec's `python` as this interpreter). So a
+    plain `jupyter-book build book` works in any environment with requirements.txt installed. Only the
+    kernel to start changes: the notebook's own metadata, part of its cache key, stays as it is."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    declared = nb.metadata.get("kernelspec", {}).get("name")
+    if not declared or declared in KernelSpecManager().find_kernel_specs():
+        return {}
+    return {"kernel_name": "python3"}
 
 
 def slowest_cells(nb, n=5):

@@ -254,3 +254,58 @@ def test_a_book_build_stopped_mid_chapter_leaves_no_process_behind(tmp_path, sig
             build.wait()
         kill_all(marked_processes(BOUNDED_VAR, mark))
         log.close()
+
+
+def environment_without_the_course_kernel(folder):
+    """A Python environment in `folder` that has every package of this one (a .pth file adding its
+    site-packages) but its own prefix, so no kernel `make setup` registered: a reader's own environment
+    with requirements.txt installed and nothing else. Returns its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=120)
+    python = folder / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+    # addsitedir, unlike a plain path line, also reads that folder's own .pth files (editable installs).
+    ours = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+    (Path(site) / "course_packages.pth").write_text("".join(f"import site; site.addsitedir({p!r})\n" for p in ours))
+    return python
+
+
+# The kernel every chapter names in its metadata (`make setup` registers it).
+KERNEL = json.loads((ROOT / "book" / "01_launch.ipynb").read_text())["metadata"]["kernelspec"]["name"]
+
+
+@pytest.mark.timeout(300)
+def test_the_plain_build_command_works_where_the_course_kernel_was_never_registered(tmp_path):
+    """Every chapter names the kernel `dp-course` (for JupyterLab and VS Code), which only `make setup`
+    registers. `jupyter-book build` in an environment that never ran it executes the chapters with that
+    environment's own Python kernel instead of failing with NoSuchKernel."""
+    python = environment_without_the_course_kernel(tmp_path / "env")
+    specs = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "from jupyter_client.kernelspec import KernelSpecManager as K; print(*K().find_kernel_specs())",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.split()
+    assert KERNEL not in specs, f"{KERNEL} is registered in the fresh environment after all: {specs}"
+    book = mini_book(tmp_path, "plain", ["import sys\nimport lessonlib\nprint('kernel python:', sys.executable)"])
+    nb_path = book / "plain.ipynb"
+    nb = json.loads(nb_path.read_text())
+    nb["metadata"]["kernelspec"] = {"name": KERNEL, "display_name": "Python (dp-course .venv)", "language": "python"}
+    nb_path.write_text(json.dumps(nb))
+    # What the environment's `jupyter-book` script runs (the new environment has no scripts of its own).
+    build = [str(python), "-c", "import sys; from jupyter_book.cli.main import main; sys.exit(main())"]
+    done = run_bounded([*build, "build", str(book), "-W", "-n"], 240, cwd=ROOT)
+    log = ANSI.sub("", done.output)
+    assert done.returncode == 0 and not done.timed_out, log[-5000:]
+    page = next(tmp_path.glob("**/_build/html/plain.html")).read_text()
+    assert f"kernel python: {python}" in page, "the chapter did not run in the fresh environment's own Python"
