@@ -5,10 +5,12 @@
 The same function and settings as MyST-NB's own execution with `run_in_temp: false`: jupyter-cache's
 `single_nb_execution`, the kernel started in the notebook's folder, TIMEOUT seconds per cell, errors
 not allowed. The kernel is the one the chapter names, or this environment's Python kernel when that
-one is not registered (kernel_choice). The last line on stdout is JSON: `{"seconds": S, "slowest": [[CELL, S], ...]}` (the five
-slowest cells, from the per-cell times nbclient records) after the executed notebook was written to
-OUT (exit status 0), or `{"cell": I, "source": ..., "error": "Name: message", "traceback": ...}` for the cell that
-failed (its index counts markdown cells too; exit status 1).
+one is not registered (kernel_choice).
+
+The last line on stdout is JSON: `{"seconds": S, "slowest": [[CELL, S], ...]}` (the five slowest
+cells, from the per-cell times nbclient records) after the executed notebook was written to OUT (exit
+status 0), or `{"cell": I, "source": ..., "error": "Name: message", "traceback": ...}` for the cell
+that failed (its index counts markdown cells too; exit status 1).
 """
 
 import json

@@ -13,8 +13,9 @@ What the child resets, so that a rank cannot tell the difference in what it comp
 
 - a session of its own (torchrun's `start_new_session`), the environment torchrun gave the rank (in
   os.environ, so C++ code reading it sees it too), the agent's files torchrun asked for on fd 1 and 2;
-- the state of a fresh interpreter that has imported torch, saved in the agent before torchrun ran:
-  signal handlers (torchrun's own are dropped), warning filters, the root logger's handlers, sys.path;
+- signal handlers as `exec` and Python's start leave them (torchrun's own handlers reset, ignored
+  signals still ignored); the state of a fresh interpreter that has imported torch, saved in the agent
+  before torchrun ran: warning filters, the root logger's handlers, sys.path;
 - fresh random seeds (torch's and numpy's; Python's `random` reseeds at every fork), the intra-op
   thread count from OMP_NUM_THREADS as torch reads it at start, unbuffered stdout and stderr (`-u`);
 - lessonlib's modules dropped, so the lesson imports what it uses, as a fresh process would;
@@ -80,7 +81,6 @@ def install():
                 os.rmdir(os.path.join(tmp, name))  # only if empty
 
     _saved = {
-        "signals": {s: signal.getsignal(s) for s in signal.valid_signals() if signal.getsignal(s) is not None},
         "filters": list(warnings.filters),
         "root": (list(logging.root.handlers), logging.root.level),
         "path": list(sys.path),
@@ -166,9 +166,19 @@ def _become_rank(rank_args, env, stdout, stderr):
 def _fresh_state(env):
     os.environ.clear()
     os.environ.update(env)
-    for sig, handler in _saved["signals"].items():
-        with contextlib.suppress(OSError, ValueError):
-            signal.signal(sig, handler)
+    # Signal handlers as `exec` leaves them, then as Python sets them at start: a handler the agent
+    # installed (torchrun's, for TERM, INT, HUP and QUIT) is reset to the default, an ignored signal
+    # stays ignored; then SIGINT, if at its default, raises KeyboardInterrupt, and SIGPIPE and SIGXFSZ
+    # are ignored.
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            if signal.getsignal(sig) != signal.SIG_IGN:
+                signal.signal(sig, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
     warnings.filters[:] = _saved["filters"]
     warnings._filters_mutated()
     handlers, level = _saved["root"]

@@ -36,10 +36,16 @@ def launch_state(tmp_path, monkeypatch, fresh, code=0):
 
 @pytest.fixture(scope="module")
 def both(tmp_path_factory):
+    """Both kinds of run, launched from a process that ignores SIGINT, SIGHUP and SIGUSR2 (as a pytest-xdist
+    worker ignores SIGINT): an ignored signal stays ignored across exec, unless torchrun's agent handles
+    it (INT, HUP), and a fresh rank then starts with the default; a forked one must end up the same."""
     mp = pytest.MonkeyPatch()
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)}
     try:
         return {fresh: launch_state(tmp_path_factory.mktemp("state"), mp, fresh) for fresh in (False, True)}
     finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
         mp.undo()
 
 
@@ -62,6 +68,9 @@ def test_a_forked_rank_starts_as_a_fresh_one_would(both):
             "OMP_NUM_THREADS": "1",
         }
         assert a["intra-op threads"] == 1 and a["inductor cache variable"] is None
+        assert a["signals"]["SIGINT"] == repr(signal.default_int_handler) and a["signals"]["SIGUSR2"].endswith(
+            "SIG_IGN: 1>"
+        )
     assert all(forked.reports_by_rank("state")[0][0]["seeds differ across ranks"].values())
 
 

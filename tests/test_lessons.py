@@ -270,9 +270,9 @@ def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT, plain=Fals
 def test_docstring_command_runs(lesson, request, tmp_path):
     # What the README tells readers to paste, run as pasted: real torchrun (or python), no fork server.
     # Where the book, in the same session, launches the lesson at the command's world size with default
-    # options, that run (torchrun through lessonlib.launch) stands for it: a torchrun start costs some
-    # 8-12 CPU-seconds, and 40 of them would push CI past its budget. The command's form is checked for
-    # every lesson above, and this file run alone runs all of them.
+    # options, that run (torchrun through lessonlib.launch) stands for it: a bare torchrun start, each rank
+    # importing torch afresh, costs some 8-12 CPU-seconds. The command's form is checked for every lesson
+    # above, and this file run alone runs all of them.
     command = command_of(lesson)
     chapter = BOOK_RUNS.get((lesson.stem, command_world_size(lesson)))
     if (
@@ -393,8 +393,8 @@ def test_forked_ranks_time_out_as_a_launch_does(tmp_path):
     faulthandler, asked by the same dump_stacks_then_kill), and every process is gone afterwards."""
     script = tmp_path / "hangs.py"
     script.write_text(HANGING)
-    # Bounds that a loaded 2-core machine still meets with the ranks inside the hang: a launched rank
-    # imports torch first, which took over 25 s there once with the book building beside it.
+    # Bounds that a loaded 2-core machine still meets with the ranks inside the hang: the launch starts a
+    # torchrun agent, which imports torch before any rank exists, while the book builds beside it.
     forked = run_ranks(script, 2, tmp_path / "forked", timeout=30)
     launched = lessonlib.launch(script, nproc=2, timeout=60, show="none")
     for run in (forked, launched):

@@ -13,7 +13,8 @@ at_start = {
     "argv": sys.argv[1:],
     "path[0] is the script's folder": sys.path[0] == os.path.dirname(os.path.abspath(__file__)),
     "signals": {
-        s.name: repr(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE)
+        s.name: repr(signal.getsignal(s))
+        for s in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE, signal.SIGUSR2)
     },
     "stdout write_through": sys.stdout.write_through,
     "torchrun variables": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS")},
