@@ -115,7 +115,10 @@ class ForkedRank:
 
     def poll(self):
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: gone, its status unknown (as Popen says, 0)
+                pid, status = self.pid, 0
             if pid == self.pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
@@ -123,7 +126,11 @@ class ForkedRank:
     def wait(self, timeout=None):
         if timeout is None:
             if self.returncode is None:
-                self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+                try:
+                    status = os.waitpid(self.pid, 0)[1]
+                except ChildProcessError:
+                    status = 0
+                self.returncode = os.waitstatus_to_exitcode(status)
             return self.returncode
         import subprocess
         import time
