@@ -37,13 +37,16 @@ import io
 import logging
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import warnings
 import weakref
-from pathlib import Path
+
+from lessonlib.launchspec import nvidia_devices
 
 FRESH_VAR = "LESSONLIB_FRESH_RANKS"  # "1": every rank a fresh `python`, as torchrun alone starts them
 RANK_MODULE = "lessonlib._rank_main"
@@ -56,7 +59,7 @@ def wanted(environ=os.environ):
     """Fork ranks here? Not when asked for fresh ones, and not where a GPU could be in use."""
     if environ.get(FRESH_VAR) == "1":
         return False
-    return not (sys.platform.startswith("linux") and any(Path("/dev").glob("nvidia[0-9]*"))) and hasattr(os, "fork")
+    return hasattr(os, "fork") and not nvidia_devices()
 
 
 def install():
@@ -100,7 +103,8 @@ def install():
 
 
 class ForkedRank:
-    """What torchrun keeps of a worker (pid, poll, wait, returncode), for a rank forked from this agent."""
+    """What torchrun uses of a worker's Popen (pid, poll, wait, returncode; it signals the worker's
+    process group itself), for a rank forked from this agent."""
 
     def __init__(self, rank_args, env, stdout, stderr):
         for stream in (sys.stdout, sys.stderr):  # nothing of the agent's may be left to flush in the child
@@ -132,25 +136,12 @@ class ForkedRank:
                     status = 0
                 self.returncode = os.waitstatus_to_exitcode(status)
             return self.returncode
-        import subprocess
-        import time
-
         deadline = time.monotonic() + timeout
         while self.poll() is None:
             if time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
         return self.returncode
-
-    def send_signal(self, sig):
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self):
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self):
-        self.send_signal(signal.SIGKILL)
 
 
 def _become_rank(rank_args, env, stdout, stderr):

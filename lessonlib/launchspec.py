@@ -156,6 +156,11 @@ def _check_env(env):
     return dict(env)
 
 
+def nvidia_devices():
+    """Whether this machine shows NVIDIA GPU devices (/dev/nvidia0, ...), without importing torch."""
+    return sys.platform.startswith("linux") and any(Path("/dev").glob("nvidia[0-9]*"))
+
+
 def check_backend(backend, ranks_per_node):
     """Refuse a backend that is unknown or cannot run here, with the reason (no torch import for gloo)."""
     if backend is None:
@@ -163,7 +168,7 @@ def check_backend(backend, ranks_per_node):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or None (pick automatically); got {backend!r}")
     if backend == "nccl":
-        if not sys.platform.startswith("linux") or not list(Path("/dev").glob("nvidia[0-9]*")):
+        if not nvidia_devices():
             raise ValueError(
                 "backend 'nccl' needs NVIDIA GPUs and this machine has none "
                 "(no /dev/nvidia* device); use 'gloo' or backend=None, which picks gloo on CPU"

@@ -212,8 +212,8 @@ def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT, plain=Fals
     procs, timed_out, t0 = [], False, time.monotonic()
     with lessonlib.reserve_port() as port:
         # The test process hosts the rendezvous store, as torchrun's agent does: the ranks connect at once
-        # instead of retrying, with growing pauses, until rank 0 has opened one.
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
+        # instead of retrying, with growing pauses, until rank 0 has opened one. A plain run has none.
+        store = None if plain else dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
         base = {
             **launch_environment(spec, run_id, str(run_dir)),
             "MASTER_ADDR": "127.0.0.1",

@@ -22,6 +22,7 @@ at_start = {
     "session leader": os.getsid(0) == os.getpid(),
 }
 import numpy  # noqa: E402
+import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402,F401 - as a training rank's first optimizer step imports it
 
@@ -31,11 +32,12 @@ at_start["filters"] = [(f[0], str(f[1] and f[1].pattern), f[2].__name__, str(f[3
 import lessonlib  # noqa: E402
 
 ctx = lessonlib.setup(device="cpu")
+own, parent = (" ".join(psutil.Process(pid).cmdline()) for pid in (os.getpid(), os.getppid()))
 at_start.update(
     {
         "intra-op threads": torch.get_num_threads(),
-        "parent is the agent": "lessonlib._agent_main"
-        in " ".join(__import__("psutil").Process(os.getppid()).cmdline()),
+        "parent is the agent": "lessonlib._agent_main" in parent,
+        "command line": next(m for m in ("lessonlib._agent_main", "lessonlib._rank_main") if m in own),
     }
 )
 draws = {"torch": torch.rand(1).item(), "numpy": float(numpy.random.rand()), "random": random.random()}
