@@ -6,6 +6,8 @@ shutdown is not enough: it asks its ranks to stop (SIGTERM) and waits up to 30 s
 ignores it, and it knows nothing of a process a rank started in a session of its own, nor of the run
 folder. So a thread of this agent watches the launcher, and when it is gone does what the launcher
 would have done: kill every process that carries the run's marker, remove the run folder, and exit.
+For an agent forked from the launcher's agent server (lessonlib._agentserver), the process it watches
+is that server, which exits when the launcher does.
 """
 
 import contextlib

@@ -23,11 +23,14 @@ What the child resets, so that a rank cannot tell the difference in what it comp
   streams flushed), then the exit status, as a number or a signal, as before.
 
 What differs, and is visible only from outside: the rank's command line (`ps`, `pgrep -f`) is the
-agent's, which names the script too; /proc/PID/environ shows the agent's variables, the run's marker
-among them (lessonlib.runprocs finds the rank by it as before); and the string hash seed is the agent's
-(PYTHONHASHSEED). A machine with NVIDIA devices, or LESSONLIB_FRESH_RANKS=1 in the launch's environment,
-gets torchrun's own fresh processes: a CUDA driver touched in the agent would not survive a fork.
-The chapters' torchrun commands that readers type start fresh processes: this is `launch`'s alone.
+agent's (or, for an agent forked from the agent server, lessonlib._agentserver, the server's);
+/proc/PID/environ shows the agent's variables, the run's marker among them (lessonlib.runprocs finds the
+rank by it as before); and the string hash seed is the agent's (PYTHONHASHSEED). A machine with NVIDIA
+devices, or LESSONLIB_FRESH_RANKS=1 in the launch's environment, gets torchrun's own fresh processes: a
+CUDA driver touched in the agent would not survive a fork. The chapters' torchrun commands that readers
+type start fresh processes: this is `launch`'s alone.
+
+`become` is also how lessonlib._agentserver turns a fork of itself into a torchrun agent.
 """
 
 import atexit
@@ -67,28 +70,10 @@ def install():
     global _saved
     import torch  # noqa: F401 - the state saved below is that of a fresh process with torch imported
 
-    # The first optimizer of every training rank imports torch._dynamo (2 CPU-seconds): pay once, here.
-    # Importing it makes inductor's cache folder (torchinductor_USER) in the temporary folder and names it
-    # in os.environ; the agent takes both back (an empty folder it made, a variable it set), leaving them
-    # to the ranks whose code does that, as without this.
-    tmp, had_var = tempfile.gettempdir(), "TORCHINDUCTOR_CACHE_DIR" in os.environ
-    before = set(os.listdir(tmp))
-    import torch._dynamo  # noqa: F401
+    import_dynamo()  # the first optimizer of every training rank imports it (2 CPU-seconds): pay once, here
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
-    if not had_var:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    for name in set(os.listdir(tmp)) - before:
-        if name.startswith("torchinductor_"):
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.join(tmp, name))  # only if empty
-
-    _saved = {
-        "filters": list(warnings.filters),
-        "root": (list(logging.root.handlers), logging.root.level),
-        "path": list(sys.path),
-        "finalizers": set(weakref.finalize._registry),
-    }
+    _saved = snapshot()
     original = subprocess_handler.SubprocessHandler._popen
 
     def _popen(self, args, env):
@@ -100,6 +85,34 @@ def install():
     # Every object so far moves out of the collector's reach: a child's collections then never write to
     # (and so copy) the pages the agent's objects live on.
     gc.freeze()
+
+
+def import_dynamo():
+    """Import torch._dynamo, leaving no trace of it outside this process's modules.
+
+    Importing it makes inductor's cache folder (torchinductor_USER) in the temporary folder and names it
+    in os.environ; this takes both back (an empty folder it made, a variable it set), leaving them to the
+    ranks whose code does that, as without this."""
+    tmp, had_var = tempfile.gettempdir(), "TORCHINDUCTOR_CACHE_DIR" in os.environ
+    before = set(os.listdir(tmp))
+    import torch._dynamo  # noqa: F401
+
+    if not had_var:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    for name in set(os.listdir(tmp)) - before:
+        if name.startswith("torchinductor_"):
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(tmp, name))  # only if empty
+
+
+def snapshot():
+    """What a fresh interpreter that has imported torch holds, and a child takes back (_fresh_state)."""
+    return {
+        "filters": list(warnings.filters),
+        "root": (list(logging.root.handlers), logging.root.level),
+        "path": list(sys.path),
+        "finalizers": set(weakref.finalize._registry),
+    }
 
 
 class ForkedRank:
@@ -114,7 +127,8 @@ class ForkedRank:
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()
         if pid == 0:
-            _become_rank(rank_args, env, stdout, stderr)  # never returns
+            fds = [None if target is None else target.fileno() for target in (stdout, stderr)]
+            become(RANK_MODULE, rank_args, env, fds, _saved)  # never returns
         self.pid, self.returncode, self.args = pid, None, rank_args
 
     def poll(self):
@@ -144,16 +158,25 @@ class ForkedRank:
         return self.returncode
 
 
-def _become_rank(rank_args, env, stdout, stderr):
-    """In the forked child: become a fresh rank, run lessonlib._rank_main, exit with its status."""
+def become(module, args, env, fds, saved, cwd=None, before_run=None):
+    """In a forked child: become what `python -u -m MODULE ARGS` would be in a session of its own, with
+    environment `env`, stdout and stderr on `fds` (None: kept) and the fresh state `saved` (snapshot());
+    run the module and exit with its status. `cwd`: change to it first, and make it sys.path[0] as -m does.
+    Never returns."""
     code = 1
     try:
         os.setsid()
-        for fd, target in ((1, stdout), (2, stderr)):
+        for fd, target in zip((1, 2), fds):
             if target is not None:
-                os.dup2(target.fileno(), fd)
-        _fresh_state(env)
-        code = _run(rank_args)
+                os.dup2(target, fd)
+        if cwd is not None:
+            os.chdir(cwd)
+        _fresh_state(env, saved)
+        if cwd is not None:
+            sys.path[0] = os.getcwd()
+        if before_run is not None:
+            before_run()
+        code = _run(module, args)
     except BaseException:  # noqa: BLE001 - a child that returned into the agent's code would run the agent
         with contextlib.suppress(BaseException):
             traceback.print_exc()
@@ -161,13 +184,15 @@ def _become_rank(rank_args, env, stdout, stderr):
         os._exit(code)
 
 
-def _fresh_state(env):
+def _fresh_state(env, saved):
     os.environ.clear()
     os.environ.update(env)
     # Signal handlers as `exec` leaves them, then as Python sets them at start: a handler the agent
     # installed (torchrun's, for TERM, INT, HUP and QUIT) is reset to the default, an ignored signal
     # stays ignored; then SIGINT, if at its default, raises KeyboardInterrupt, and SIGPIPE and SIGXFSZ
     # are ignored.
+    with contextlib.suppress(ValueError):
+        signal.set_wakeup_fd(-1)  # a parent's (the agent server's) wake-up pipe is not the child's
     for sig in signal.valid_signals():
         with contextlib.suppress(OSError, ValueError, TypeError):
             if signal.getsignal(sig) != signal.SIG_IGN:
@@ -177,13 +202,13 @@ def _fresh_state(env):
     for name in ("SIGPIPE", "SIGXFSZ"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
-    warnings.filters[:] = _saved["filters"]
+    warnings.filters[:] = saved["filters"]
     warnings._filters_mutated()
-    handlers, level = _saved["root"]
+    handlers, level = saved["root"]
     logging.root.handlers[:] = handlers
     logging.root.setLevel(level)
-    sys.path[:] = _saved["path"]
-    for key in set(weakref.finalize._registry) - _saved["finalizers"]:  # the agent's, not the rank's
+    sys.path[:] = saved["path"]
+    for key in set(weakref.finalize._registry) - saved["finalizers"]:  # the agent's, not the rank's
         weakref.finalize._registry.pop(key, None)
     # `python -u`: stdout and stderr unbuffered on fds 1 and 2. The agent's stream objects are kept, not
     # closed: closing or collecting them would write whatever they hold into the rank's files.
@@ -206,13 +231,13 @@ def _fresh_state(env):
         del sys.modules[name]
 
 
-def _run(rank_args):
-    """lessonlib._rank_main as `python -u -m lessonlib._rank_main ARGS` runs it; returns the exit status."""
+def _run(module, args):
+    """`module` as `python -u -m MODULE ARGS` runs it; returns the exit status."""
     import runpy
 
-    sys.argv = ["-m", *rank_args]
+    sys.argv = ["-m", *args]
     try:
-        runpy.run_module(RANK_MODULE, run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
         code = e.code

@@ -11,7 +11,9 @@ What it guarantees, and how:
 - torchrun is `python -m torch.distributed.run` with this interpreter, in its own session, with the
   rendezvous on 127.0.0.1 and port 0 (the kernel picks a free one), so launches never collide. It
   starts through `lessonlib._agent_main`, which only adds that if this process dies, the agent
-  ends the run itself: every process of it killed, the run folder removed.
+  ends the run itself: every process of it killed, the run folder removed. Where it can, the agent is
+  forked from this process's agent server, which has imported torch once for every launch
+  (lessonlib._agentserver), and the agent forks the ranks (lessonlib._forkrank).
 - Every rank starts in `lessonlib._rank_main`, which sends its stdout and stderr to files of its own
   in the run folder (lessonlib._runfolder): nothing goes through a pipe, so nothing can deadlock
   however much a rank prints, and torchrun's own banner and warnings stay apart from the ranks'.
@@ -35,6 +37,7 @@ import uuid
 
 import psutil
 
+from . import _agentserver
 from . import _runfolder as runfolder
 
 # Names that notebooks, tests and the rest of lessonlib import from here, where launch's pieces lived before
@@ -151,9 +154,13 @@ class _Run:
         for node in range(self.spec.nnodes):
             log = open(runfolder.agent_log(self.dir, node), "wb")
             self.agent_logs.append(log)
-            self.agents.append(
-                psutil.Popen(
-                    _agent_command(self.spec, node, self.id, self.dir, port),
+            cmd = _agent_command(self.spec, node, self.id, self.dir, port)
+            # Forked from this process's agent server where it can be (torch imported there once), else
+            # the command itself: the same agent either way (lessonlib._agentserver).
+            agent = _agentserver.start_agent(cmd, env, self.spec.cwd, log, own_env=bool(self.spec.env))
+            if agent is None:
+                agent = psutil.Popen(
+                    cmd,
                     cwd=self.spec.cwd,
                     env=env,
                     stdin=subprocess.DEVNULL,
@@ -161,7 +168,7 @@ class _Run:
                     stderr=log,
                     start_new_session=True,
                 )
-            )
+            self.agents.append(agent)
 
     def wait(self, stop):
         """Until every agent has exited, the time is up, or `stop` is set; show the ranks' lines meanwhile."""

@@ -458,9 +458,9 @@ def kernel_manager(case, asynchronous=False):
 
 
 @contextlib.contextmanager
-def running_kernel(case):
+def running_kernel(case, env=None):
     km = kernel_manager(case)
-    km.start_kernel(cwd=str(ROOT))
+    km.start_kernel(cwd=str(ROOT), **({} if env is None else {"env": {**os.environ, **env}}))
     kc = km.client()
     kc.start_channels()
     try:
@@ -538,16 +538,31 @@ def _seconds(start, end):
     return (datetime.fromisoformat(end.rstrip("Z")) - datetime.fromisoformat(start.rstrip("Z"))).total_seconds()
 
 
+def kernel_and_launch_env(case, agent):
+    """A fresh agent: the case's variables given to the launch (env=...). A forked one: given to the
+    kernel instead, so that the launch has no env of its own and forks its agent from the kernel's agent
+    server (lessonlib._agentserver), which then carries the case's tag too."""
+    return (None, case.env()) if agent == "fresh" else (case.env(), None)
+
+
 @pytest.mark.timeout(150)
-def test_a_killed_kernel_takes_the_agent_and_every_rank_with_it(fault_case):
+@pytest.mark.parametrize("agent", ["fresh", "forked"])
+def test_a_killed_kernel_takes_the_agent_and_every_rank_with_it(fault_case, agent):
     """SIGKILL the kernel while its launch runs: nobody is left to run the launcher's cleanup, so the
     torchrun agent (SIGTERM when its parent dies) and the ranks (SIGKILL when theirs does) must go by
-    themselves (lessonlib._lifeline), within a few seconds."""
-    with running_kernel(fault_case) as (km, kc):
-        kc.execute(KERNEL_LAUNCH.format(script=str(fault_case.script), args=["sleep"], env=fault_case.env()))
+    themselves (lessonlib._lifeline), within a few seconds; and so must the agent server, where the
+    agent was forked from one."""
+    kernel_env, launch_env = kernel_and_launch_env(fault_case, agent)
+    with running_kernel(fault_case, kernel_env) as (km, kc):
+        kc.execute(KERNEL_LAUNCH.format(script=str(fault_case.script), args=["sleep"], env=launch_env))
         fault_case.wait_ready(["rank0.ready", "rank1.ready"])
         running = fault_case.processes()
-        assert len(running) == 3, f"expected the agent and two ranks: {[describe(p) for p in running]}"
+        # Forked: the kernel, its agent server, the agent and two ranks all carry the tag; all but the
+        # kernel show the server's command line.
+        expected = 3 if agent == "fresh" else 5
+        assert len(running) == expected, f"expected {expected}: {[describe(p) for p in running]}"
+        if agent == "forked":
+            assert sum("lessonlib._agentserver" in " ".join(p.cmdline()) for p in running) == 4, running
         os.kill(km.provisioner.pid, signal.SIGKILL)
         left = fault_case.left_after(KILLED_KERNEL_BOUND)
         assert left == [], f"alive {KILLED_KERNEL_BOUND} s after the kernel was killed: {[describe(p) for p in left]}"
@@ -555,13 +570,15 @@ def test_a_killed_kernel_takes_the_agent_and_every_rank_with_it(fault_case):
 
 
 @pytest.mark.timeout(150)
-def test_a_killed_kernel_leaves_nothing_behind(fault_case):
+@pytest.mark.parametrize("agent", ["fresh", "forked"])
+def test_a_killed_kernel_leaves_nothing_behind(fault_case, agent):
     """As above, but the run has what a real one may have: rank 0 started a process in a session of its
     own (a server, a detached worker) and rank 1 ignores SIGTERM. Within a few seconds of the kernel's
     death every process carrying the run's marker must be gone, and its run folder with them."""
     args = ["sleep", "--grandchild", "--ignore-sigterm", "1"]
-    with running_kernel(fault_case) as (km, kc):
-        kc.execute(KERNEL_LAUNCH.format(script=str(fault_case.script), args=args, env=fault_case.env()))
+    kernel_env, launch_env = kernel_and_launch_env(fault_case, agent)
+    with running_kernel(fault_case, kernel_env) as (km, kc):
+        kc.execute(KERNEL_LAUNCH.format(script=str(fault_case.script), args=args, env=launch_env))
         fault_case.wait_ready(["grandchild.pid", "rank0.ready", "rank1.ready"])
         roles = {int((fault_case.ready / f"rank{r}.ready").read_text()): f"rank {r}" for r in (0, 1)}
         roles[int((fault_case.ready / "grandchild.pid").read_text())] = "rank 0's grandchild"

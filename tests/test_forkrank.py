@@ -53,8 +53,9 @@ def test_a_forked_rank_starts_as_a_fresh_one_would(both):
     for rank in range(2):
         a, b = (dict(run.reports_by_rank("state")[rank][0]) for run in (forked, fresh))
         assert a.pop("parent is the agent") and b.pop("parent is the agent")
-        # The one difference chapter 1 names: `ps` shows a forked rank with the agent's command line.
-        assert a.pop("command line") == "lessonlib._agent_main" and b.pop("command line") == "lessonlib._rank_main"
+        # The one difference chapter 1 names: `ps` shows a forked agent and its ranks with the command line
+        # of the agent server they were forked from.
+        assert a.pop("command line") == "lessonlib._agentserver" and b.pop("command line") == "lessonlib._rank_main"
         assert a == b, f"rank {rank}: forked {a}\n  fresh {b}"
         assert (
             a["lessonlib modules"] == ["lessonlib._lifeline", "lessonlib._runfolder"]

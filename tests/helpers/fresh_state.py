@@ -12,6 +12,8 @@ at_start = {
     "lessonlib modules": sorted(m for m in sys.modules if m.startswith("lessonlib.") and m != "lessonlib._rank_main"),
     "argv": sys.argv[1:],
     "path[0] is the script's folder": sys.path[0] == os.path.dirname(os.path.abspath(__file__)),
+    "path": sys.path,
+    "working folder": os.getcwd(),
     "signals": {
         s.name: repr(signal.getsignal(s))
         for s in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE, signal.SIGUSR2)
@@ -36,8 +38,10 @@ own, parent = (" ".join(psutil.Process(pid).cmdline()) for pid in (os.getpid(), 
 at_start.update(
     {
         "intra-op threads": torch.get_num_threads(),
-        "parent is the agent": "lessonlib._agent_main" in parent,
-        "command line": next(m for m in ("lessonlib._agent_main", "lessonlib._rank_main") if m in own),
+        "parent is the agent": any(m in parent for m in ("lessonlib._agent_main", "lessonlib._agentserver")),
+        "command line": next(
+            m for m in ("lessonlib._agentserver", "lessonlib._agent_main", "lessonlib._rank_main") if m in own
+        ),
     }
 )
 draws = {"torch": torch.rand(1).item(), "numpy": float(numpy.random.rand()), "random": random.random()}

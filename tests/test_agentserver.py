@@ -1,0 +1,91 @@
+"""lessonlib._agentserver: a launch forks its torchrun agent from one server per launching process, which
+has imported torch once; a launch with an environment of its own gets a fresh agent; the server ends with
+the process that started it. (A killed kernel's server, agent and ranks: tests/test_faults.py.)"""
+
+import os
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+import lessonlib
+from lessonlib import _forkrank
+from lessonlib.runprocs import marked_processes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(
+    not (_forkrank.wanted({}) and sys.platform.startswith("linux")),
+    reason="agents are forked only where ranks are (Linux, no NVIDIA devices, LESSONLIB_FRESH_RANKS unset)",
+)
+
+# Each rank prints the command line of its parent (the agent) and of the agent's parent.
+LINEAGE = """import os, psutil
+agent = psutil.Process(os.getppid())
+print(agent.pid, agent.ppid(), " ".join(agent.cmdline()), "|", " ".join(agent.parent().cmdline()), flush=True)
+"""
+
+
+def lineage(run):
+    run.raise_for_status()
+    return [r.stdout.strip() for r in run.ranks]
+
+
+def test_launches_fork_their_agents_from_one_server(tmp_path, monkeypatch):
+    monkeypatch.delenv(_forkrank.FRESH_VAR, raising=False)
+    script = tmp_path / "lineage.py"
+    script.write_text(LINEAGE)
+    runs = [lineage(lessonlib.launch(script, nproc=2, timeout=120, show="none")) for _ in range(2)]
+    servers = set()
+    for lines in runs:
+        agent, server, agent_cmd, server_cmd = re.match(r"(\d+) (\d+) (.*) \| (.*)", lines[0]).groups()
+        assert lines[1] == lines[0], "both ranks share one agent"
+        assert "lessonlib._agentserver" in agent_cmd and "lessonlib._agentserver" in server_cmd, lines
+        servers.add(int(server))
+    assert len(servers) == 1, f"each launch started a server of its own: {runs}"
+    assert runs[0] != runs[1], "the two launches had one agent"
+
+
+def test_a_launch_with_an_environment_of_its_own_gets_a_fresh_agent(tmp_path):
+    script = tmp_path / "lineage.py"
+    script.write_text(LINEAGE)
+    lines = lineage(lessonlib.launch(script, nproc=2, timeout=120, show="none", env={"SOME_SETTING": "1"}))
+    agent_cmd, parent_cmd = re.match(r"\d+ \d+ (.*) \| (.*)", lines[0]).groups()
+    assert "lessonlib._agent_main" in agent_cmd and "lessonlib._agentserver" not in parent_cmd, lines
+
+
+def test_the_forked_agent_prints_what_a_fresh_one_does(tmp_path, monkeypatch):
+    """torchrun's own output (its banner, its warnings) is the same from a forked agent as from a fresh one."""
+    script = tmp_path / "quiet.py"
+    script.write_text("print('hello')\n")
+    outputs = {}
+    for fresh in (False, True):
+        if fresh:
+            monkeypatch.setenv(_forkrank.FRESH_VAR, "1")
+        run = lessonlib.launch(script, nproc=2, timeout=120, show="none").raise_for_status()
+        outputs[fresh] = re.sub(r"\d+", "N", run.launcher_output)
+    assert outputs[False] == outputs[True], outputs
+
+
+def test_the_server_ends_with_the_process_that_started_it(tmp_path):
+    tag = uuid.uuid4().hex
+    code = (
+        "import lessonlib, psutil, os\n"
+        f"lessonlib.launch({str(ROOT / 'lessons' / '01_launch.py')!r}, nproc=2, timeout=120, show='none')"
+        ".raise_for_status()\n"
+        "print(sum('lessonlib._agentserver' in ' '.join(c.cmdline()) for c in psutil.Process().children()))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "SERVER_TEST_TAG": tag},
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "1", "the launch did not go through a server"
+    assert marked_processes("SERVER_TEST_TAG", tag) == []
