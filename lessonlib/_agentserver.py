@@ -16,7 +16,7 @@ Which launches take this path: those whose ranks would be forked (lessonlib._for
 the server imported it under its environment. A launch whose environment differs (`os.environ` changed
 since) replaces an idle server, or starts a fresh agent while the server has a run going.
 
-The run's marker. lessonlib.runprocs finds every process of a run by LESSONLIB_RUN_ID in
+The run's marker. lessonlib.runprocs finds every process of a run by its marker variable in
 /proc/PID/environ, which shows the environment a process was started with, not what it set since. The
 server starts with a placeholder of the same length (SLOT_VAR=SLOT_VALUE), and each agent writes its
 run's marker over it, in place, in its own copy of that memory: /proc/PID/environ then names the run,
