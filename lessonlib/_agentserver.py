@@ -56,6 +56,9 @@ SLOT_VALUE = "-" * 32  # as long as a run id (uuid4().hex)
 # Variables a launch sets for its own run, read only by code that runs after the imports (the agent's
 # rendezvous, the ranks): launches that differ only in these share a server.
 PER_RUN = (RUN_ID_VAR, RUN_DIR_VAR, LAUNCHER_PID_VAR, BACKEND_VAR, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+# Set by a test runner and changed at every test (pytest names the test running in it); nothing that torch
+# imports reads it. Every launch still gets the value it had, as it gets every variable.
+NOT_READ_AT_IMPORT = ("PYTEST_CURRENT_TEST",)
 READY_TIMEOUT = 120  # seconds for the server to answer a request (its first: after importing torch)
 WATCH_INTERVAL = 0.2  # seconds between two looks at the launching process
 
@@ -207,7 +210,7 @@ def start_agent(cmd, env, cwd, log, own_env):
     ):
         return None
     # The environment, and the signals ignored here (an ignored signal stays ignored across exec and fork).
-    base = ({k: v for k, v in env.items() if k not in PER_RUN}, _ignored_signals())
+    base = ({k: v for k, v in env.items() if k not in PER_RUN + NOT_READ_AT_IMPORT}, _ignored_signals())
     with _lock:
         if _server is not None and _server.base != base and _server.idle():
             _server.close()

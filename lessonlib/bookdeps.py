@@ -38,9 +38,9 @@ import textwrap
 import time
 from pathlib import Path
 
+from .launchspec import ROOT, find_script
 from .runprocs import kill_session, marked_environment, sigterm_cleans_up
 
-ROOT = Path(__file__).resolve().parent.parent  # the course checkout: lessons/ and book/ live here
 LESSON_PATH = re.compile(r"""["']((?:\.\./)?lessons/[\w./-]+\.py)["']""")
 KEY = "lessonlib_dependencies"  # the field of a cache record's data that holds the dependency key
 REPORT = "lessonlib-execution.json"  # written next to the HTML folder, in _build/
@@ -58,11 +58,10 @@ def dependencies(notebook_text, folder):
     code = "\n".join("".join(c.get("source", "")) for c in cells if c.get("cell_type") == "code")
     found = set()
     for name in LESSON_PATH.findall(code):
-        for base in (Path(folder), Path(folder).parent, ROOT):
-            path = (base / name).resolve()
-            if path.is_file():
-                found.add(path)
-                break
+        # As the launch in the chapter finds it: the chapter runs in its folder.
+        path = find_script(name, here=folder)
+        if path is not None:
+            found.add(path)
     if "lessonlib" in code:  # its modules, and the recorded runs it serves (book/captured/: a GPU's output)
         found.update(p.resolve() for p in (ROOT / "lessonlib").glob("*.py"))
         found.update(p.resolve() for p in (ROOT / "book" / "captured").glob("*.json"))

@@ -101,19 +101,32 @@ def check_launch(script, nproc, args, timeout, env, *, nnodes, backend, launcher
     )
 
 
+def script_candidates(script, bases=(), here=None):
+    """Where a lesson named `script` may be, first match wins: as given if absolute; else relative to each
+    of `bases`, then to the working folder `here` (default: this process's), then to the course root
+    (notebooks run in book/, lessons live in lessons/). The one lookup rule of launch, the terminal runner
+    and the book's rebuild cache."""
+    path = Path(script)
+    if path.is_absolute():
+        return [path]
+    return list(dict.fromkeys(Path(b) / path for b in [*bases, here or Path.cwd(), ROOT]))
+
+
+def find_script(script, bases=(), here=None):
+    """The first of script_candidates that is a file, resolved; or None."""
+    return next((c.resolve() for c in script_candidates(script, bases, here) if c.is_file()), None)
+
+
 def resolve_script(script, cwd=None):
-    """The lesson file: as given (relative to `cwd`, else this directory), or in the course root
-    (notebooks run in book/, lessons live in lessons/)."""
+    """The lesson file: as given (relative to `cwd`, else this directory), or in the course root."""
     if not isinstance(script, (str, os.PathLike)) or not str(script):
         raise ValueError(f"script must be a path to a .py file, e.g. 'lessons/01_launch.py'; got {script!r}")
-    path = Path(script)
-    bases = [Path(cwd)] if cwd is not None else []
-    candidates = [path] if path.is_absolute() else [b / path for b in [*bases, Path.cwd(), ROOT]]
-    for c in candidates:
-        if c.is_file():
-            return c.resolve()
-    looked = ", ".join(str(c) for c in candidates)
-    raise FileNotFoundError(f"lesson script {str(script)!r} not found (looked in: {looked})")
+    bases = [cwd] if cwd is not None else []
+    path = find_script(script, bases)
+    if path is None:
+        looked = ", ".join(str(c) for c in script_candidates(script, bases))
+        raise FileNotFoundError(f"lesson script {str(script)!r} not found (looked in: {looked})")
+    return path
 
 
 def _check_int(name, value, low, high, why):

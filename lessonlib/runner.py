@@ -27,9 +27,10 @@ from pathlib import Path
 
 # How a run is told is the display's (the same words as in a notebook); the display imports no torch.
 from .display import MIN_COLUMN, describe_failure, failure_line, render_columns  # noqa: F401
-from .launchspec import MAX_NPROC, MAX_TIMEOUT  # the launcher's bounds, without importing the launcher
 
-ROOT = Path(__file__).resolve().parent.parent  # the course checkout: lessons/ and book/ live here
+# The launcher's bounds, root and lookup rule, without importing the launcher.
+from .launchspec import MAX_NPROC, MAX_TIMEOUT, ROOT, find_script, script_candidates
+
 LESSON_GLOB = "lessons/[0-9][0-9]_*.py"
 NOTEBOOK_GLOB = "book/[0-9][0-9]_*.ipynb"
 DEFAULT_NPROC = 2  # for a script whose docstring names no world size
@@ -177,12 +178,10 @@ def _timeout(text):
 
 def check_script(script, nproc):
     """(resolved path, nproc to use), or UsageError naming what is wrong and what is allowed."""
-    given = Path(script)
     # As torchrun would read it (from this directory), else from the course root, like lessonlib.launch.
-    candidates = [given] if given.is_absolute() else list(dict.fromkeys([Path.cwd() / given, ROOT / given]))
-    path = next((c.resolve() for c in candidates if c.is_file()), None)
+    path = find_script(script)
     if path is None:
-        where = " or ".join(str(c) for c in candidates)
+        where = " or ".join(str(c) for c in script_candidates(script))
         raise UsageError(f"{script}: no such file ({where}); `python -m lessonlib list` shows the lessons")
     if path.suffix != ".py":
         raise UsageError(f"{script}: not a lesson (a lesson is a Python file, lessons/NN_name.py)")
