@@ -84,8 +84,8 @@ class ForkedAgent:
         if self._orphan:  # the server died before reaping it: the agent ends its run itself (_agent_main)
             if not _alive(self.pid):
                 self.returncode = -signal.SIGKILL
-            elif timeout:
-                time.sleep(min(timeout, 0.05))
+            elif timeout is None or timeout > 0:
+                time.sleep(0.05 if timeout is None else min(timeout, 0.05))
             return
         if not select.select([self._channel], [], [], timeout)[0]:
             return
@@ -193,13 +193,13 @@ class _Server:
 _lock = threading.Lock()
 _server = None
 _broken = False  # a server failed to answer: fresh agents from now on
-_started = []  # a server was started once (and atexit told to end it)
+_exit_hook = False  # atexit has been told to end this process's server
 
 
 def start_agent(cmd, env, cwd, log, own_env):
     """The torchrun agent `cmd` (python -m lessonlib._agent_main ...) forked from this process's server,
     or None: start it fresh. `own_env`: the launch passed env= (then always fresh)."""
-    global _server, _broken
+    global _server, _broken, _exit_hook
     if (
         own_env
         or _broken
@@ -216,9 +216,9 @@ def start_agent(cmd, env, cwd, log, own_env):
             _server.close()
             _server = None
         if _server is None:
-            if not _started:
+            if not _exit_hook:
                 atexit.register(_close)  # this process's exit ends the server, and reaps it
-                _started.append(True)
+                _exit_hook = True
             _server = _Server(base)
         if _server.base != base:
             return None

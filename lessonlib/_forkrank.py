@@ -158,7 +158,7 @@ class ForkedRank:
         return self.returncode
 
 
-def become(module, args, env, fds, saved, cwd=None, before_run=None):
+def become(module, args, env, fds, saved, cwd=None):
     """In a forked child: become what `python -u -m MODULE ARGS` would be in a session of its own, with
     environment `env`, stdout and stderr on `fds` (None: kept) and the fresh state `saved` (snapshot());
     run the module and exit with its status. `cwd`: change to it first, and make it sys.path[0] as -m does.
@@ -174,8 +174,6 @@ def become(module, args, env, fds, saved, cwd=None, before_run=None):
         _fresh_state(env, saved)
         if cwd is not None:
             sys.path[0] = os.getcwd()
-        if before_run is not None:
-            before_run()
         code = _run(module, args)
     except BaseException:  # noqa: BLE001 - a child that returned into the agent's code would run the agent
         with contextlib.suppress(BaseException):
