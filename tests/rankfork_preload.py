@@ -4,6 +4,7 @@ OpenMP reads OMP_NUM_THREADS when torch loads it, so the setting torchrun gives 
 in place before the import; every rank forked from the server then has torch loaded already.
 """
 
+import gc
 import os
 
 os.environ["OMP_NUM_THREADS"] = "1"
@@ -23,3 +24,9 @@ import torchmetrics  # noqa: E402,F401
 # lessonlib.training` fails here as it fails for a reader (tests/test_lessons.py checks that).
 import torchvision.transforms.v2  # noqa: E402,F401
 import tqdm  # noqa: E402,F401
+
+# Last: every object so far moves out of the garbage collector's reach, as lessonlib._forkrank does in
+# the agent. A rank's collections then never visit the server's objects, so they never write to (and
+# make the rank copy) the pages those objects live on: measured, a four-rank run of a script that only
+# joins and leaves the group took 2.6 CPU-seconds without this and 0.65 with it.
+gc.freeze()

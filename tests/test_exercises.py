@@ -6,8 +6,10 @@ it (rank 1 here, so a notebook's check_function says what is wrong); and that th
 checker that accepts a wrong answer. Then, for every checker lesson (found by pattern): its `solution`
 region, alone in a file as a reader would send it, passes the checker; and its self-test checks exactly
 the function that region defines (sabotage the region, in a copy of the lessons, and the self-test
-fails, naming it). The per-lesson runs are at world size 1 as plain `python` (a one-rank gloo group),
-the cheapest real run; tests/test_lessons.py runs every self-test at 1 to 4 ranks."""
+fails, naming it). The per-lesson runs are at world size 1 as plain `python lessons/X.py` runs (a
+one-rank gloo group), the cheapest real run, forked from the server that has imported torch already
+(tests/rankfork.py, as the lesson tests' ranks are); tests/test_lessons.py runs every self-test at 1 to 4
+ranks."""
 
 import ast
 import os
@@ -22,6 +24,7 @@ import lessonlib
 from lessonlib.code import regions
 from lessonlib.exercises import PRELUDE, load_function
 from lessonlib.runprocs import run_bounded
+from rankfork import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKERS = sorted(ROOT.glob("lessons/[0-9][0-9]_exercise_*.py"))
@@ -158,8 +161,8 @@ def test_the_solution_region_passes_as_a_readers_answer(lesson, tmp_path):
     answer = tmp_path / "answer.py"
     answer.write_text(PRELUDE + source)
     for name in names:
-        code, out = run_python([lesson, "--solution", answer, "--function", name], cwd=ROOT)
-        assert code == 0 and f"rank 0: {name} " in out, f"{lesson.name} --function {name}:\n{out[-4000:]}"
+        run = run_ranks(lesson, 1, tmp_path / name, args=["--solution", answer, "--function", name], plain=True)
+        assert run.ok and f"rank 0: {name} " in run.ranks[0].stdout, run.describe_failure()
 
 
 @pytest.mark.parametrize("lesson", CHECKERS, ids=lambda p: p.stem)
@@ -175,7 +178,7 @@ def test_the_self_test_checks_the_function_the_solution_region_defines(lesson, t
     text = lesson.read_text()
     assert text.count("# [end: solution]") == 1
     (copy / lesson.name).write_text(text.replace("# [end: solution]", sabotage.strip("\n") + "\n# [end: solution]"))
-    code, out = run_python([copy / lesson.name], cwd=ROOT)
-    assert code != 0 and f"sabotaged {names[0]}" in out, (
-        f"{lesson.name}: the self-test passed a sabotaged solution region:\n{out[-4000:]}"
+    run = run_ranks(copy / lesson.name, 1, tmp_path / "run", plain=True)
+    assert not run.ok and f"sabotaged {names[0]}" in run.ranks[0].stderr, (
+        f"{lesson.name}: the self-test passed a sabotaged solution region:\n{run.describe_failure()}"
     )
