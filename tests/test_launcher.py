@@ -720,3 +720,23 @@ def test_run_bounded_types_its_input_and_a_command_that_never_reads_it_still_end
     assert done.returncode == 0 and done.output.split() == ["cba", "xyz"], done
     ignores = run_bounded([sys.executable, "-c", "import time; time.sleep(1)"], 60, input="x" * 200_000)
     assert ignores.returncode == 0 and not ignores.timed_out and ignores.seconds < 30, ignores
+
+
+def test_the_agents_method_name_is_torchs_get_method_name():
+    """The agent's stand-in for torch's dynamic_rendezvous.get_method_name (lessonlib._agent_main, a
+    speed fix) names the same function at every depth, and the same "no_method_name" past the stack."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from lessonlib._agent_main import get_method_name as method_name
+
+    def record(name_of, depth):  # as torch calls it: from a method that records an event
+        return name_of() if depth is None else name_of(depth)
+
+    def next_rendezvous(name_of, depth):
+        return record(name_of, depth)
+
+    for depth in (None, 0, 1, 2, 3, 10_000):
+        ours, torchs = next_rendezvous(method_name, depth), next_rendezvous(dynamic_rendezvous.get_method_name, depth)
+        assert ours == torchs, (depth, ours, torchs)
+    assert next_rendezvous(method_name, None) == "next_rendezvous"
+    assert method_name(10_000) == "no_method_name"
