@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=2 lessons/03_batch_size.py
+"""torchrun --nproc_per_node=4 lessons/03_batch_size.py
 
 What `batch_size` means once there are W ranks, with a DistributedSampler and without one.
 

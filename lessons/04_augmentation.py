@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=2 lessons/04_augmentation.py
+"""torchrun --nproc_per_node=4 lessons/04_augmentation.py
 
 Do the ranks draw the same random crops? Measured for six ways of seeding, with torchvision v2.
 

@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=2 lessons/04_model_init.py
+"""torchrun --nproc_per_node=4 lessons/04_model_init.py
 
 How ranks come to hold the same starting weights, and why averaged gradients cannot do it for them.
 

@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=2 lessons/07_syncbn.py
+"""torchrun --nproc_per_node=4 lessons/07_syncbn.py
 
 BatchNorm over the global batch: what per-rank statistics get wrong, and SyncBatchNorm by hand.
 

@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=3 lessons/09_save_results.py
+"""torchrun --nproc_per_node=2 lessons/09_save_results.py
 
 Saving inference results: one file per rank, merged on rank 0 after a barrier.
 

@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=2 lessons/10_resume.py
+"""torchrun --nproc_per_node=3 lessons/10_resume.py
 
 Resume from a file: model, optimizer, GradScaler, sampler epoch, step counter and every rank's RNG states.
 

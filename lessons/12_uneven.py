@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=2 lessons/12_uneven.py
+"""torchrun --nproc_per_node=3 lessons/12_uneven.py
 
 Uneven inputs: rank r has BASE + r batches, so rank 0 runs out first. What breaks, and Join.
 

@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=2 lessons/14_exercise_hook.py
+"""torchrun --nproc_per_node=3 lessons/14_exercise_hook.py
 
 Checker for the chapter 14 exercise: fp16_hook(state, bucket), a DDP communication hook that averages in float16.
 

@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=2 lessons/14_hooks.py
+"""torchrun --nproc_per_node=4 lessons/14_hooks.py
 
 DDP communication hooks: count what a bucket sends, compress it, and measure what compression costs.
 

@@ -38,18 +38,13 @@ import os
 import re
 import shlex
 import sys
-import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 import lessonlib
-import rankfork
-from lessonlib.launcher import _environment as launch_environment
-from lessonlib.launchspec import check_launch
-from lessonlib.result import Ending, read_result
-from lessonlib.runprocs import RankWatch, dump_stacks_then_kill, run_bounded
+from lessonlib.runprocs import run_bounded
+from rankfork import TORCHRUN_VARS, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = sorted(ROOT.glob("lessons/[0-9][0-9]_*.py"))
@@ -60,6 +55,11 @@ BOOK_TEST = "test_book_builds_and_executes_every_chapter"
 BOOK_LAUNCH = re.compile(
     r'lessonlib\.launch\(\s*"lessons/(\w+)\.py",\s*nproc=(\d+),\s*timeout=\d+,?\s*'
     r'(?:show="\w+",?\s*)?\)\.raise_for_status\(\)'
+)
+# The same launch over several world sizes: `lessonlib.launch("lessons/X.py", nproc=n, ...) ... for n in (2, 4)`.
+BOOK_SWEEP = re.compile(
+    r'lessonlib\.launch\(\s*"lessons/(\w+)\.py",\s*nproc=(\w+),\s*timeout=\d+,?\s*'
+    r'(?:show="\w+",?\s*)?\)\.raise_for_status\(\)\s+for\s+(\w+)\s+in\s+\(([\d,\s]+)\)'
 )
 # A run panel made with no lesson options and run at once in the same cell is the same launch.
 BOOK_PANEL = re.compile(
@@ -81,6 +81,10 @@ def book_runs():
                 source = "".join(cell["source"])
                 for lesson, n in BOOK_LAUNCH.findall(source) + BOOK_PANEL.findall(source):
                     runs.setdefault((lesson, int(n)), notebook.name)
+                for lesson, name, loop_name, sizes in BOOK_SWEEP.findall(source):
+                    if name == loop_name:
+                        for n in re.findall(r"\d+", sizes):
+                            runs.setdefault((lesson, int(n)), notebook.name)
     return runs
 
 
@@ -162,108 +166,6 @@ def run_plain(lesson, args=()):
     if done.timed_out:
         pytest.fail(f"python {lesson.name} {' '.join(args)} did not finish in {TIMEOUT} s:\n{done.output[-3000:]}")
     return done.returncode, done.output
-
-
-TORCHRUN_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-FAILURE_GRACE = 5.0  # seconds the other ranks get after one failed, as torchrun's agent gives them
-
-
-def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT, plain=False):
-    """The lesson at `world_size` ranks, each entering through lessonlib._rank_main with the environment
-    lessonlib.launch gives it, bounded; returns the RunResult, read from the run folder by the
-    launcher's own code (lessonlib.result.read_result), so a failure reads as it would in the book.
-    `plain=True` (world size 1 only) is `python lessons/X.py`: none of torchrun's variables and no store,
-    so lessonlib.setup makes a group of one as it does for a reader's plain run.
-
-    The ranks are forked from a server that has imported torch already (tests/rankfork.py), and the
-    test stands in for torchrun's agent: it hosts the rendezvous store and watches the ranks. When a
-    rank fails, the others get FAILURE_GRACE seconds; ranks still running then (waiting in a collective
-    for a partner that died) or at the deadline print their Python stacks and are killed, by the
-    launcher's own `dump_stacks_then_kill`.
-    """
-    import torch.distributed as dist  # here, not at the top: only this path needs torch in the test process
-
-    spec = check_launch(
-        lesson,
-        world_size,
-        list(args),
-        timeout,
-        None,
-        nnodes=1,
-        backend=None,
-        launcher="torchrun",
-        rendezvous="c10d",
-        cwd=ROOT,
-    )
-    if plain and world_size != 1:
-        raise ValueError(f"plain=True is `python lessons/X.py`, one process; got world_size={world_size}")
-    run_id, run_dir = uuid.uuid4().hex, tmp_path / "run"
-    run_dir.mkdir(parents=True)
-    watch = RankWatch(str(run_dir), world_size)
-    procs, timed_out, t0 = [], False, time.monotonic()
-    with lessonlib.reserve_port() as port:
-        # The test process hosts the rendezvous store, as torchrun's agent does: the ranks connect at once
-        # instead of retrying, with growing pauses, until rank 0 has opened one. A plain run has none.
-        store = None if plain else dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
-        base = {
-            **launch_environment(spec, run_id, str(run_dir)),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "GROUP_RANK": "0",
-            "OMP_NUM_THREADS": "1",
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-        }
-        if plain:
-            # (torch in the fork server was loaded with torchrun's OMP_NUM_THREADS=1, so a plain run here
-            # has one intra-op thread where a reader's may have more: the same code, at another speed.)
-            drop = (*TORCHRUN_VARS, "OMP_NUM_THREADS")
-            base = {k: v for k, v in base.items() if k not in drop and not k.startswith("TORCHELASTIC_")}
-        try:
-            for rank in range(world_size):
-                env = {**base} if plain else {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-                procs.append(rankfork.start_rank(spec.script, spec.args, ROOT, env))
-            deadline, failed_at = t0 + timeout, None
-            while any(p.exitcode is None for p in procs):
-                watch.poll()
-                if time.monotonic() > deadline:
-                    timed_out = True
-                    break
-                if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                    failed_at = time.monotonic()
-                if failed_at is not None and time.monotonic() > failed_at + FAILURE_GRACE:
-                    break
-                time.sleep(0.05)
-        finally:
-            watch.poll()
-            dump_stacks_then_kill(run_id, watch)
-            for p in procs:
-                rankfork.kill_rank(p)
-            watch.poll()
-            del store
-    codes = [p.exitcode for p in procs]
-    # What torchrun's agent would return, and what it would say of a rank that left no exit record.
-    ending = Ending(
-        [0 if all(c == 0 for c in codes) else 1],
-        [],
-        time.monotonic() - t0,
-        timed_out,
-        False,
-        watch.ended,
-        [],
-        exitcodes=dict(enumerate(codes)),
-    )
-    return read_result(spec, str(run_dir), ending)
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
