@@ -24,7 +24,7 @@ from . import _runfolder as runfolder
 DEFAULT_TIMEOUT = 30.0  # seconds; setup(timeout=...) overrides it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DistContext:
     """Where this process sits in the job. `group_rank` is the node's index (torchrun's GROUP_RANK)."""
 
@@ -56,11 +56,9 @@ def pick_backend(local_world_size):
     """'nccl' when CUDA really works here with a GPU per local rank, else 'gloo'.
 
     torch.cuda.is_available(), not torch.accelerator.current_accelerator(): the latter names 'cuda'
-    on a CUDA build of torch even when the machine has no GPU.
+    on a CUDA build of torch even when the machine has no GPU. It reads no environment variable: a
+    backend forced by launch(backend=...) is setup's to honour.
     """
-    forced = os.environ.get(runfolder.BACKEND_VAR)
-    if forced:
-        return forced
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size and dist.is_nccl_available():
         return "nccl"
     return "gloo"
@@ -88,7 +86,7 @@ def setup(backend=None, timeout=None, device=None):
         backend = backend or os.environ.get(runfolder.BACKEND_VAR) or "gloo"
         if backend == "nccl":
             raise ValueError("device='cpu' needs a backend that reduces CPU tensors (gloo); nccl was asked for")
-    backend = backend or pick_backend(local_world_size)
+    backend = backend or os.environ.get(runfolder.BACKEND_VAR) or pick_backend(local_world_size)
     timeout = float(timeout if timeout is not None else DEFAULT_TIMEOUT)
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
@@ -104,7 +102,17 @@ def setup(backend=None, timeout=None, device=None):
             dist.init_process_group(init_method="env://", **kwargs)
         else:
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-    return DistContext(rank, local_rank, world_size, local_world_size, group_rank, backend, device, launched, bound)
+    return DistContext(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        group_rank=group_rank,
+        backend=backend,
+        device=device,
+        launched=launched,
+        timeout=bound,
+    )
 
 
 def teardown():
@@ -113,7 +121,7 @@ def teardown():
     The barrier keeps a rank from closing its connections while a peer still needs them. Without it,
     a rank that has finished (say, a lesson with no collective after setup) can exit while a slower
     peer is still connecting gloo's mesh, and that peer's init_process_group fails with "Connection
-    closed by peer": this course's CI met exactly that on a loaded machine. A barrier that fails
+    closed by peer", which a loaded machine makes likely. A barrier that fails
     (a peer is gone) still leaves the group, then raises.
     """
     if dist.is_available() and dist.is_initialized():

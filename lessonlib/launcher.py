@@ -212,13 +212,13 @@ class _Run:
         leftovers = run_processes(self.id)  # must be empty; a process here is a launcher bug
         kill_all(leftovers)
         ending = Ending(
-            [a.returncode for a in self.agents],
-            [a.pid for a in self.agents],
-            wall,
-            self.timed_out,
-            self.interrupted,
-            self.watch.ended,
-            leftovers,
+            returncodes=[a.returncode for a in self.agents],
+            agent_pids=[a.pid for a in self.agents],
+            wall_time=wall,
+            timed_out=self.timed_out,
+            interrupted=self.interrupted,
+            gone_at=self.watch.ended,
+            leftovers=leftovers,
         )
         result = read_result(self.spec, self.dir, ending)
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -40,7 +40,7 @@ RESERVED_ENV = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LaunchSpec:
     """One launch, checked: what runs, how many times, for how long, and where."""
 
@@ -65,13 +65,12 @@ class LaunchSpec:
 def check_launch(script, nproc, args, timeout, env, *, nnodes, backend, launcher, rendezvous, cwd, max_restarts=0):
     """launch's arguments as a LaunchSpec; raises ValueError or FileNotFoundError before anything starts."""
     path = resolve_script(script, cwd)
-    _check_int("nproc", nproc, 1, MAX_NPROC, "each rank is a full Python process with torch loaded")
+    _refuse("nproc", ranks_problem(nproc))
     _check_int("nnodes", nnodes, 1, MAX_NNODES, "simulated nodes share this one machine")
     _check_int("max_restarts", max_restarts, 0, MAX_RESTARTS, "each restart starts every rank again")
     args = _check_args(args)
     env = _check_env(env)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT:
-        raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}]; got {timeout!r}")
+    _refuse("timeout", timeout_problem(timeout))
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {launcher!r}")
     if max_restarts and launcher != "torchrun":
@@ -86,18 +85,18 @@ def check_launch(script, nproc, args, timeout, env, *, nnodes, backend, launcher
         raise FileNotFoundError(f"cwd {str(cwd)!r} is not a directory")
     shown = os.path.relpath(path, cwd) if path.is_relative_to(cwd) else str(path)
     return LaunchSpec(
-        path,
-        shown,
-        tuple(args),
-        nproc,
-        nnodes,
-        timeout,
-        MappingProxyType(env),
-        backend,
-        launcher,
-        rendezvous,
-        cwd,
-        max_restarts,
+        script=path,
+        shown=shown,
+        args=tuple(args),
+        nproc=nproc,
+        nnodes=nnodes,
+        timeout=timeout,
+        env=MappingProxyType(env),
+        backend=backend,
+        launcher=launcher,
+        rendezvous=rendezvous,
+        cwd=cwd,
+        max_restarts=max_restarts,
     )
 
 
@@ -129,11 +128,34 @@ def resolve_script(script, cwd=None):
     return path
 
 
-def _check_int(name, value, low, high, why):
+def ranks_problem(n, high=MAX_NPROC):
+    """What is wrong with `n` as a number of ranks, from 1 to `high`, or None. The one check of it: launch,
+    the terminal runner (-n) and the run panel (which allows fewer) put their own name in front."""
+    return _int_problem(n, 1, high, "each rank is a whole Python process with torch loaded")
+
+
+def timeout_problem(seconds):
+    """What is wrong with `seconds` as a run's timeout, or None (launch, the terminal runner, the panel)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= MAX_TIMEOUT:
+        return f"must be a number of seconds in (0, {MAX_TIMEOUT:g}]; got {seconds!r}"
+    return None
+
+
+def _int_problem(value, low, high, why):
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int from {low} to {high}; got {value!r} ({type(value).__name__})")
+        return f"must be an int from {low} to {high}; got {value!r} ({type(value).__name__})"
     if not low <= value <= high:
-        raise ValueError(f"{name} must be from {low} to {high} ({why}); got {value}")
+        return f"must be from {low} to {high} ({why}); got {value}"
+    return None
+
+
+def _refuse(name, problem):
+    if problem:
+        raise ValueError(f"{name} {problem}")
+
+
+def _check_int(name, value, low, high, why):
+    _refuse(name, _int_problem(value, low, high, why))
 
 
 def _check_args(args):

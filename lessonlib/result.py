@@ -48,7 +48,7 @@ class RankOutput:
         return self.exitcode == 0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunResult:
     """The outcome of `launch`: per-rank output, exit codes, wall time, and what went wrong."""
 
@@ -177,7 +177,7 @@ def _is_collateral(rank):
 # --------------------------------------------------------------------------- reading a run folder
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Ending:
     """How the run ended as the launcher saw it: what the ranks could not record themselves."""
 
@@ -208,19 +208,19 @@ def read_result(spec, run_dir, ending):
             _judge_unrecorded(r, ending, from_torchrun.get(rank, ending.exitcodes.get(rank)))
         ranks.append(r)
     return RunResult(
-        spec.shown,
-        list(spec.args),
-        spec.nproc,
-        spec.nnodes,
-        ranks,
-        launcher_output,
-        ending.returncodes,
-        ending.wall_time,
-        spec.timeout,
-        ending.timed_out,
-        ending.interrupted,
-        [f"pid {p.pid}" for p in ending.leftovers],
-        ending.agent_pids,
+        script=spec.shown,
+        args=list(spec.args),
+        nproc=spec.nproc,
+        nnodes=spec.nnodes,
+        ranks=ranks,
+        launcher_output=launcher_output,
+        returncodes=ending.returncodes,
+        wall_time=ending.wall_time,
+        timeout=spec.timeout,
+        timed_out=ending.timed_out,
+        interrupted=ending.interrupted,
+        leftovers=[f"pid {p.pid}" for p in ending.leftovers],
+        agent_pids=ending.agent_pids,
     )
 
 
@@ -228,8 +228,8 @@ def _as_recorded(run_dir, rank):
     """(RankOutput, whether it has an exit record) from what the rank wrote itself."""
     r = RankOutput(
         rank,
-        runfolder.read_text(runfolder.output_file(run_dir, rank, "stdout")),
-        runfolder.read_text(runfolder.output_file(run_dir, rank, "stderr")),
+        stdout=runfolder.read_text(runfolder.output_file(run_dir, rank, "stdout")),
+        stderr=runfolder.read_text(runfolder.output_file(run_dir, rank, "stderr")),
     )
     r.reports.extend(runfolder.read_reports(run_dir, rank))
     start, done = runfolder.read_start(run_dir, rank), runfolder.read_exit(run_dir, rank)

@@ -29,7 +29,7 @@ from pathlib import Path
 from .display import MIN_COLUMN, describe_failure, failure_line, render_columns  # noqa: F401
 
 # The launcher's bounds, root and lookup rule, without importing the launcher.
-from .launchspec import MAX_NPROC, MAX_TIMEOUT, ROOT, find_script, script_candidates
+from .launchspec import MAX_NPROC, MAX_TIMEOUT, ROOT, find_script, ranks_problem, script_candidates, timeout_problem
 
 LESSON_GLOB = "lessons/[0-9][0-9]_*.py"
 NOTEBOOK_GLOB = "book/[0-9][0-9]_*.ipynb"
@@ -159,10 +159,8 @@ def _nproc(text):
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number of ranks, 1 to {MAX_NPROC}; got {text!r}") from None
-    if not 1 <= n <= MAX_NPROC:
-        raise argparse.ArgumentTypeError(
-            f"must be from 1 to {MAX_NPROC} ranks (each rank is a whole Python process with torch loaded); got {n}"
-        )
+    if problem := ranks_problem(n):
+        raise argparse.ArgumentTypeError(problem)
     return n
 
 
@@ -171,8 +169,8 @@ def _timeout(text):
         t = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 < t <= MAX_TIMEOUT:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds in (0, {MAX_TIMEOUT:g}]; got {text}")
+    if problem := timeout_problem(t):
+        raise argparse.ArgumentTypeError(problem)
     return t
 
 

@@ -130,7 +130,7 @@ def dump_stacks_then_kill(run_id, watch):
     kill_all(run_processes(run_id))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Finished:
     """How a run_bounded command ended. `stderr` is None when it was merged into `stdout`."""
 
@@ -184,12 +184,12 @@ def run_bounded(argv, timeout, *, cwd=None, env=None, merge_output=True, input=N
             f.seek(0)
             texts.append(f.read().decode("utf-8", errors="replace"))
     return Finished(
-        [str(a) for a in argv],
-        proc.returncode,
-        texts[0],
-        None if merge_output else texts[1],
-        time.monotonic() - started,
-        timed_out,
+        argv=[str(a) for a in argv],
+        returncode=proc.returncode,
+        stdout=texts[0],
+        stderr=None if merge_output else texts[1],
+        seconds=time.monotonic() - started,
+        timed_out=timed_out,
     )
 
 

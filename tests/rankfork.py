@@ -218,13 +218,13 @@ def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT, plain=Fals
     codes = [p.exitcode for p in procs]
     # What torchrun's agent would return, and what it would say of a rank that left no exit record.
     ending = Ending(
-        [0 if all(c == 0 for c in codes) else 1],
-        [],
-        time.monotonic() - t0,
-        timed_out,
-        False,
-        watch.ended,
-        [],
+        returncodes=[0 if all(c == 0 for c in codes) else 1],
+        agent_pids=[],
+        wall_time=time.monotonic() - t0,
+        timed_out=timed_out,
+        interrupted=False,
+        gone_at=watch.ended,
+        leftovers=[],
         exitcodes=dict(enumerate(codes)),
     )
     return read_result(spec, str(run_dir), ending)
