@@ -27,7 +27,7 @@ def _plain(value):
 
 
 def describe(parser):
-    """One dict per option: what the run panel needs to make a control for it."""
+    """One dict per option: what lessonlib.lessonoptions.Option is made from."""
     options = []
     for action in parser._actions:
         if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
@@ -35,10 +35,8 @@ def describe(parser):
         flags = action.option_strings
         item = {
             "flag": next((f for f in flags if f.startswith("--")), flags[0]) if flags else None,
-            "dest": action.dest,
             "help": action.help or "",
             "default": _plain(action.default),
-            "metavar": _plain(action.metavar),
         }
         if isinstance(action, argparse.BooleanOptionalAction):
             item["kind"] = "bool"  # --x / --no-x
@@ -51,8 +49,7 @@ def describe(parser):
         elif action.nargs in (None, "?") and action.type in (int, float):
             item["kind"] = action.type.__name__
         else:
-            # Free text; a `type` of the lesson's own (lessonlib.comma_list, ...) is checked by check().
-            item.update(kind="text", custom=action.type not in (None, str) or action.nargs not in (None, "?"))
+            item["kind"] = "text"  # a `type` of the lesson's own (comma_list, ...) is the lesson's to check
         options.append(item)
     return options
 

@@ -106,9 +106,11 @@ class TextLiveView(NullView):
 class HtmlLiveView(NullView):
     live, interval = True, LIVE_EVERY
 
-    def __init__(self, script, args, nproc, nnodes, draw=None):
+    def __init__(self, script, args, nproc, nnodes, draw=None, on_finish=None):
         """`draw(html)` shows each state; by default one display output of the cell, updated in place
-        (the run panel passes a function that sets its widget's value instead)."""
+        (the run panel passes a function that sets its widget's value instead). `on_finish(result)` is
+        called once the final view is drawn."""
+        self.on_finish = on_finish
         self.cmd = command_line(script, args, nproc, nnodes)
         self.recent = [deque(maxlen=LIVE_LINES) for _ in range(nproc * nnodes)]
         self.counts = [0] * (nproc * nnodes)
@@ -138,6 +140,8 @@ class HtmlLiveView(NullView):
         # The final view is this cell's output already: the RunResult, if the cell returns it, is not
         # shown a second time (RunResult._ipython_display_).
         result._shown_in_cell = _cell_number()
+        if self.on_finish is not None:
+            self.on_finish(result)
 
     def _live_html(self):
         cols, waiting = [], []

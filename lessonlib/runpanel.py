@@ -32,23 +32,17 @@ The options are read by running the lesson in a fresh process up to its parse_ar
 import base64
 import html
 import io
-import json
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
-from pathlib import Path
 
 import ipywidgets as widgets
 
 from .display import HtmlLiveView, command_line
 from .launcher import launch
-from .launchspec import ROOT, resolve_script
+from .launchspec import ROOT, ranks_problem, resolve_script
+from .lessonoptions import LessonOptions, run_argspec
 
 MAX_RANKS = 4  # each rank is a Python process with torch loaded; the panel is for a laptop
-SPEC_TIMEOUT = 60  # seconds to read a lesson's options (it imports torch)
-_specs = {}  # (path, mtime) -> options
 
 
 def panel(script, nproc=2, args=None, *, timeout=300, plot=None, plot_alt=None):
@@ -57,41 +51,6 @@ def panel(script, nproc=2, args=None, *, timeout=300, plot=None, plot_alt=None):
     `plot(result)` returns a matplotlib figure drawn from each successful run; `plot_alt(result)` (or a
     string) describes it for readers who cannot see it (the picture's alt text)."""
     return RunPanel(script, nproc=nproc, args=args, timeout=timeout, plot=plot, plot_alt=plot_alt)
-
-
-def _run_argspec(mode, path, args=()):
-    """Run lessonlib._argspec in a fresh process, bounded; (exit code, its JSON or None, stderr)."""
-    with tempfile.TemporaryDirectory(prefix="lessonlib-argspec-") as folder:
-        out = Path(folder) / "out.json"
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "lessonlib._argspec", mode, str(path), str(out), *args],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=SPEC_TIMEOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"reading the options of {path} took over {SPEC_TIMEOUT} s") from None
-        data = json.loads(out.read_text()) if out.exists() else None
-        return proc.returncode, data, proc.stderr
-
-
-def lesson_options(path):
-    """The lesson's argparse options, as lessonlib._argspec.describe gives them ([] without argparse)."""
-    path = Path(path)
-    key = (str(path), path.stat().st_mtime_ns)
-    if key not in _specs:
-        source = path.read_text()
-        if "ArgumentParser" not in source:
-            _specs[key] = []  # no parser: nothing to read, and the lesson must not be run to find out
-        else:
-            code, data, err = _run_argspec("describe", path)
-            if code != 0 or data is None:
-                raise RuntimeError(f"could not read the options of {path} (exit {code}):\n{err[-2000:]}")
-            _specs[key] = data["options"]
-    return _specs[key]
 
 
 # Runs started with the Run button, stopped by a kernel interrupt (see the module docstring).
@@ -132,7 +91,7 @@ class RunPanel(widgets.VBox):
         self.result, self.running = None, False
         self._stop = threading.Event()
         self._thread = None
-        self.specs = {o["flag"]: o for o in lesson_options(self.path) if o["flag"]}
+        self.lesson_options = LessonOptions.of(self.path, self.script)
         layout = widgets.Layout(width="auto")
         style = {"description_width": "initial"}
         self.nproc = widgets.IntText(
@@ -142,7 +101,7 @@ class RunPanel(widgets.VBox):
             style=style,
             tooltip=f"1 to {MAX_RANKS}",
         )
-        self.options = {flag: self._control(spec, style, layout) for flag, spec in self.specs.items()}
+        self.options = {o.flag: self._control(o, style, layout) for o in self.lesson_options}
         self._apply(args or [])
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
         self.stop_button = widgets.Button(
@@ -179,87 +138,40 @@ class RunPanel(widgets.VBox):
     # ------------------------------------------------------------------ controls
 
     @staticmethod
-    def _control(spec, style, layout):
-        label, tip = spec["flag"], spec["help"] or spec["flag"]
-        default, kind = spec["default"], spec["kind"]
-        if kind == "switch":
-            return widgets.Checkbox(value=False, description=label, indent=False, tooltip=tip, layout=layout)
-        if kind == "bool":
-            return widgets.Checkbox(value=bool(default), description=label, indent=False, tooltip=tip, layout=layout)
-        if kind == "choice":
-            choices = [str(c) for c in spec["choices"]]
-            value = str(default) if str(default) in choices else choices[0]
+    def _control(option, style, layout):
+        """The widget for one option (lessonlib.lessonoptions.Option): its kind picks it, nothing else."""
+        label, tip, value = option.flag, option.help or option.flag, option.initial
+        if option.kind in ("switch", "bool"):
+            return widgets.Checkbox(value=value, description=label, indent=False, tooltip=tip, layout=layout)
+        if option.kind == "choice":
             return widgets.Dropdown(
-                options=choices, value=value, description=label, tooltip=tip, style=style, layout=layout
+                options=list(option.choices), value=value, description=label, tooltip=tip, style=style, layout=layout
             )
-        if kind in ("int", "float") and (default is None or isinstance(default, (int, float))):
-            box = widgets.IntText if kind == "int" else widgets.FloatText
-            if default is None:  # an optional number: a text box, empty means "not given"
-                return widgets.Text(
-                    value="",
-                    placeholder="default",
-                    description=label,
-                    tooltip=tip,
-                    style=style,
-                    layout=widgets.Layout(width="14em"),
-                )
-            return box(value=default, description=label, tooltip=tip, style=style, layout=widgets.Layout(width="14em"))
-        text = "" if default is None else ",".join(map(str, default)) if isinstance(default, list) else str(default)
-        return widgets.Text(
-            value=text,
-            placeholder="default" if default is None else "",
-            description=label,
-            tooltip=tip,
-            style=style,
-            layout=widgets.Layout(width="24em"),
-        )
+        width = "14em" if option.kind in ("int", "float") else "24em"
+        if option.as_text:  # free text, or a number the lesson may leave unset ("" = not given)
+            placeholder = "default" if option.default is None else ""
+            return widgets.Text(
+                value=value,
+                placeholder=placeholder,
+                description=label,
+                tooltip=tip,
+                style=style,
+                layout=widgets.Layout(width=width),
+            )
+        box = widgets.IntText if option.kind == "int" else widgets.FloatText
+        return box(value=value, description=label, tooltip=tip, style=style, layout=widgets.Layout(width=width))
+
+    def _values(self):
+        return {flag: control.value for flag, control in self.options.items()}
 
     def _apply(self, args):
         """Set the controls from a list like ['--steps', '5', '--flag']; unknown options are an error."""
-        args = [str(a) for a in args]
-        i = 0
-        while i < len(args):
-            flag, value = args[i], None
-            if "=" in flag:
-                flag, value = flag.split("=", 1)
-            negated = flag.startswith("--no-") and "--" + flag[5:] in self.specs
-            spec = self.specs.get("--" + flag[5:] if negated else flag)
-            if spec is None:
-                have = ", ".join(self.specs) or "none"
-                raise ValueError(f"{self.script} has no option {flag!r}; its options: {have}")
-            control = self.options[spec["flag"]]
-            if spec["kind"] in ("switch", "bool"):
-                control.value = not negated if spec["kind"] == "bool" else True
-            else:
-                if value is None:
-                    i += 1
-                    if i >= len(args):
-                        raise ValueError(f"option {flag} needs a value")
-                    value = args[i]
-                control.value = type(control.value)(value) if not isinstance(control, widgets.Dropdown) else value
-            i += 1
+        for flag, value in self.lesson_options.apply(args, self._values()).items():
+            self.options[flag].value = value
 
     def settings(self):
         """The lesson options the controls hold, as torchrun would get them (defaults left out)."""
-        args = []
-        for flag, spec in self.specs.items():
-            value, default = self.options[flag].value, spec["default"]
-            if spec["kind"] == "switch":
-                args += [flag] if value else []
-            elif spec["kind"] == "bool":
-                args += [] if value == bool(default) else [flag if value else "--no-" + flag[2:]]
-            elif isinstance(value, str):
-                shown = (
-                    ""
-                    if default is None
-                    else ",".join(map(str, default))
-                    if isinstance(default, list)
-                    else str(default)
-                )
-                args += [] if value.strip() in ("", shown) else [flag, value.strip()]
-            elif value != default:
-                args += [flag, str(value)]
-        return args
+        return self.lesson_options.args(self._values())
 
     def _show_command(self):
         cmd = command_line(self.script, self.settings(), self.nproc.value, 1)
@@ -274,36 +186,12 @@ class RunPanel(widgets.VBox):
 
     def check(self):
         """The validated lesson options; on a bad setting, a message in the panel and ValueError."""
-        problems = []
-        n = self.nproc.value
-        if not 1 <= n <= MAX_RANKS:
-            problems.append(
-                f"ranks must be from 1 to {MAX_RANKS} (each rank is a whole Python process with torch loaded); got {n}"
-            )
-        for flag, spec in self.specs.items():
-            value = self.options[flag].value
-            if spec["kind"] in ("int", "float") and isinstance(value, str):  # optional number: "" = not given
-                if not value.strip():
-                    continue
-                try:
-                    value = (int if spec["kind"] == "int" else float)(value.strip())
-                except ValueError:
-                    problems.append(
-                        f"{flag} must be a{'n integer' if spec['kind'] == 'int' else ' number'} "
-                        f"(or empty for the lesson's default); got {value!r}"
-                    )
-                    continue
-            if spec["kind"] == "int" and "low" in spec and not spec["low"] <= value <= spec["high"]:
-                problems.append(f"{flag} must be from {spec['low']} to {spec['high']}; got {value}")
+        problems = [f"ranks {p}"] if (p := ranks_problem(self.nproc.value, high=MAX_RANKS)) else []
+        problems += self.lesson_options.problems(self._values())
         args = self.settings()
-        custom = [
-            f
-            for f, s in self.specs.items()
-            if s["kind"] == "text" or s["kind"] in ("int", "float") and isinstance(self.options[f], widgets.Text)
-        ]
-        if not problems and any(f in args for f in custom):
+        if not problems and self.lesson_options.needs_lesson_check(self._values()):
             # A value only the lesson's own parser can judge (lessonlib.comma_list, ...): ask it.
-            code, _, err = _run_argspec("check", self.path, args)
+            code, _, err = run_argspec("check", self.path, args)
             if code != 0:
                 said = [ln for ln in err.strip().splitlines() if "error:" in ln]
                 problems.append(
@@ -362,14 +250,10 @@ class RunPanel(widgets.VBox):
         def draw(text):
             self.output.value = text
 
-        view = HtmlLiveView(self.script, args, self.nproc.value, 1, draw=draw)
-        finish = view.finish
-
-        def finished(result):
-            finish(result)
+        def finished(result):  # also when an interrupt then ends launch() with KeyboardInterrupt
             self.result = result
 
-        view.finish = finished
+        view = HtmlLiveView(self.script, args, self.nproc.value, 1, draw=draw, on_finish=finished)
         try:
             result = launch(
                 self.path, nproc=self.nproc.value, args=args, timeout=self.timeout, show=view, stop=self._stop
