@@ -10,7 +10,8 @@ one is not registered (kernel_choice).
 The last line on stdout is JSON: `{"seconds": S, "slowest": [[CELL, S], ...]}` (the five slowest
 cells, from the per-cell times nbclient records) after the executed notebook was written to OUT (exit
 status 0), or `{"cell": I, "source": ..., "error": "Name: message", "traceback": ...}` for the cell
-that failed (its index counts markdown cells too; exit status 1).
+that failed (its index counts markdown cells too; exit status 1). A kernel that dies before its first
+cell is started once more, and says so on stderr.
 """
 
 import json
@@ -24,14 +25,22 @@ from jupyter_cache.executors.utils import single_nb_execution
 
 from lessonlib._lifeline import die_with_parent
 
+KERNEL_STARTS = 2  # a kernel that dies before its first cell is started once more (died_before_its_first_cell)
+
 
 def execute(source, out, timeout):
     """Execute the notebook at `source`; write it to `out` and return the report (a dict)."""
     source = Path(source).resolve()
-    nb = nbformat.read(source, as_version=4)
-    result = single_nb_execution(
-        nb, cwd=str(source.parent), timeout=timeout, allow_errors=False, record_timing=True, **kernel_choice(nb)
-    )
+    for start in range(1, KERNEL_STARTS + 1):
+        nb = nbformat.read(source, as_version=4)
+        result = single_nb_execution(
+            nb, cwd=str(source.parent), timeout=timeout, allow_errors=False, record_timing=True, **kernel_choice(nb)
+        )
+        if not died_before_its_first_cell(result, nb) or start == KERNEL_STARTS:
+            break
+        print(
+            f"{source.name}: the kernel died before its first cell ({result.err}); starting it again", file=sys.stderr
+        )
     if result.err is not None:
         # nbclient stops at the failing cell: the last code cell with an error output. Its own error
         # (name and value, as the reader would see it) is the report; the whole traceback comes after.
@@ -50,6 +59,14 @@ def execute(source, out, timeout):
         cell.get("metadata", {}).pop("execution", None)
     nbformat.write(nb, out)
     return {"seconds": round(result.time, 1), "slowest": slowest}
+
+
+def died_before_its_first_cell(result, nb):
+    """Whether the kernel ended before running anything. One way it happens on a busy machine:
+    jupyter_client picks free ports, closes them and hands them to the kernel, and another process can
+    take one in between."""
+    started = any(c.cell_type == "code" and c.get("execution_count") for c in nb.cells)
+    return result.err is not None and not started and "Kernel died before replying to kernel_info" in str(result.err)
 
 
 def kernel_choice(nb):
