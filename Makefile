@@ -2,12 +2,13 @@
 #   make book   set up, then execute every chapter on CPU (gloo) and build the HTML book in _build/html
 #   make lab    set up, then open JupyterLab on book/ with the course's kernel, to run chapters cell by cell
 #   make test   set up, then run the whole test suite (launcher, lessons, the book build, the browser test)
+#   make unit   set up, then run only the unit tier: the tests that start no process, in seconds
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup book lab test bench format clean
+.PHONY: setup book lab test unit bench format clean
 # The kernel every chapter names in its metadata (kernelspec.name), so Jupyter and VS Code pick .venv's
 # Python. Registered inside .venv (--sys-prefix): nothing is written outside the checkout.
 KERNEL := dp-course
@@ -43,6 +44,11 @@ JOBS ?= $(shell n=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2); n=$$((n +
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup --durations=15 tests
+
+# The tests marked `unit` (pyproject.toml): no process started, no network. Run it while editing; the
+# whole suite (make test) is what CI runs.
+unit: $(STAMP)
+	$(BIN)/python -m pytest -m unit -q tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/launch_overhead.py

@@ -5,9 +5,13 @@ failure, timeout, interrupt). Workers and their children live in sessions of the
 reparented to init when their parent dies, so "children of this test process" would miss exactly
 the processes that leak. Instead, every process this test session starts inherits SESSION_VAR in its
 environment, and a process is ours if it carries that value (or is still our descendant).
+
+Tests marked `unit` (the tier `make unit` runs alone) may start no process at all: an audit hook notes
+any, and such a test fails.
 """
 
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -95,6 +99,42 @@ def no_leftover_processes():
         text = "\n".join(_describe(p) for p in leaked)
         kill_processes(leaked)  # so the tests after this one start clean
         pytest.fail(f"{len(leaked)} process(es) of a launch outlived the test (now killed):\n{text}", pytrace=False)
+
+
+# The unit tier (tests marked `unit`, run alone by `make unit`) starts no process. An audit hook notes
+# every process started during such a test (subprocess, fork, exec, spawn, system) and the test fails
+# after it, naming them. It only notes: raising inside the code that starts one could leave a module
+# half imported for every later test of the worker. One start is not the test's: ctypes.util runs
+# `ldconfig -p` to find a shared library, as when torch is first imported.
+PROCESS_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn", "os.system"}
+_started_in_unit_test = None  # a list while a unit test runs
+
+
+def _note_processes_in_unit_tests(event, args):
+    if _started_in_unit_test is None or event not in PROCESS_EVENTS:
+        return
+    if event == "subprocess.Popen" and os.path.basename(str(args[0])) == "ldconfig":
+        return
+    _started_in_unit_test.append((event, str(args)[:200]))
+
+
+sys.addaudithook(_note_processes_in_unit_tests)
+
+
+@pytest.fixture(autouse=True)
+def processes_started(request):
+    """In a test marked unit: the list of processes it started, which must be empty at its end."""
+    global _started_in_unit_test
+    if request.node.get_closest_marker("unit") is None:
+        yield None
+        return
+    _started_in_unit_test = started = []
+    try:
+        yield started
+    finally:
+        _started_in_unit_test = None
+    if started:
+        pytest.fail(f"a test marked unit started {len(started)} process(es): {started}; unit tests start none")
 
 
 @pytest.fixture

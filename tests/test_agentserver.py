@@ -22,11 +22,7 @@ pytestmark = pytest.mark.skipif(
     reason="agents are forked only where ranks are (Linux, no NVIDIA devices, LESSONLIB_FRESH_RANKS unset)",
 )
 
-# Each rank prints the command line of its parent (the agent) and of the agent's parent.
-LINEAGE = """import os, psutil
-agent = psutil.Process(os.getppid())
-print(agent.pid, agent.ppid(), " ".join(agent.cmdline()), "|", " ".join(agent.parent().cmdline()), flush=True)
-"""
+LINEAGE = Path(__file__).parent / "helpers" / "lineage.py"  # each rank prints its agent's lineage
 
 
 def lineage(run):
@@ -34,10 +30,9 @@ def lineage(run):
     return [r.stdout.strip() for r in run.ranks]
 
 
-def test_launches_fork_their_agents_from_one_server(tmp_path, monkeypatch):
+def test_launches_fork_their_agents_from_one_server(monkeypatch):
     monkeypatch.delenv(_forkrank.FRESH_VAR, raising=False)
-    script = tmp_path / "lineage.py"
-    script.write_text(LINEAGE)
+    script = LINEAGE
     runs = [lineage(lessonlib.launch(script, nproc=2, timeout=120, show="none")) for _ in range(2)]
     servers = set()
     for lines in runs:
@@ -49,9 +44,8 @@ def test_launches_fork_their_agents_from_one_server(tmp_path, monkeypatch):
     assert runs[0] != runs[1], "the two launches had one agent"
 
 
-def test_a_launch_with_an_environment_of_its_own_gets_a_fresh_agent(tmp_path):
-    script = tmp_path / "lineage.py"
-    script.write_text(LINEAGE)
+def test_a_launch_with_an_environment_of_its_own_gets_a_fresh_agent():
+    script = LINEAGE
     lines = lineage(lessonlib.launch(script, nproc=2, timeout=120, show="none", env={"SOME_SETTING": "1"}))
     agent_cmd, parent_cmd = re.match(r"\d+ \d+ (.*) \| (.*)", lines[0]).groups()
     assert "lessonlib._agent_main" in agent_cmd and "lessonlib._agentserver" not in parent_cmd, lines

@@ -366,7 +366,7 @@ def test_pages_log_no_console_errors(visit):
 
 def test_site_root_has_a_favicon(site):
     """index.html has no <link rel=icon>, so a browser may ask for /favicon.ico before it redirects
-    (it did, once in several CI runs: a 404 in the console). The site root must answer it."""
+    (a 404 in the console if it is missing). The site root must answer it."""
     with urllib.request.urlopen(site + "favicon.ico", timeout=10) as response:
         body = response.read()
     assert response.status == 200 and body[:4] == b"\x00\x00\x01\x00", "favicon.ico is not an icon"

@@ -47,12 +47,14 @@ CALLS = show_code_calls()
 CALLS_BY_KIND = {"region": next((p, r) for nb, p, r, _ in CALLS if p == "lessons/01_launch.py" and r)}
 
 
+@pytest.mark.unit
 def test_the_chapters_show_code_with_show_code_not_literalinclude():
     assert CALLS, "no chapter calls lessonlib.show_code"
     stale = [nb.name for nb in NOTEBOOKS if "{literalinclude}" in nb.read_text()]
     assert not stale, f"{stale}: a literalinclude directive shows as raw text in Jupyter; use lessonlib.show_code"
 
 
+@pytest.mark.unit
 def test_every_show_code_cell_hides_its_input_in_the_book():
     bad = []
     for nb in NOTEBOOKS:
@@ -64,6 +66,7 @@ def test_every_show_code_cell_hides_its_input_in_the_book():
     assert not bad, "show_code cells need the tags remove-input and lesson-code:\n" + "\n".join(bad)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("call", CALLS, ids=lambda c: f"{c[0]}:{Path(c[1]).name}:{c[2] or c[3]}")
 def test_every_show_code_call_in_the_chapters_resolves(call):
     _, path, region, pyobject = call
@@ -75,6 +78,7 @@ def test_every_show_code_call_in_the_chapters_resolves(call):
     ast.parse(text) if pyobject else None  # a whole function is valid Python on its own
 
 
+@pytest.mark.unit
 def test_every_marked_region_is_shown_by_a_chapter_and_markers_pair_up():
     shown = {(Path(path).name, region) for _, path, region, _ in CALLS if region}
     unused, unpaired = [], []
@@ -89,6 +93,7 @@ def test_every_marked_region_is_shown_by_a_chapter_and_markers_pair_up():
     assert not unused, "marked regions no chapter shows (remove the markers):\n" + "\n".join(unused)
 
 
+@pytest.mark.unit
 def test_region_and_function_are_dedented_without_marker_lines(tmp_path):
     lesson = tmp_path / "demo.py"
     lesson.write_text(
@@ -121,6 +126,7 @@ def test_region_and_function_are_dedented_without_marker_lines(tmp_path):
     assert Code("x = 1")._repr_markdown_() == "```python\nx = 1\n```\n"  # no caption, no frame
 
 
+@pytest.mark.unit
 def test_lesson_code_is_captioned_with_its_file_and_region():
     region = lessonlib.show_code("lessons/01_launch.py", CALLS_BY_KIND["region"][1])
     assert region.caption == f"lessons/01_launch.py · region {CALLS_BY_KIND['region'][1]}"
@@ -155,6 +161,7 @@ def test_the_caption_and_frame_render_around_highlighted_code_everywhere():
         assert "def main" in re.sub(r"<[^>]+>", "", page[block:closed]), where  # tokens or not, the code
 
 
+@pytest.mark.unit
 def test_a_missing_file_region_or_function_is_a_clear_error(tmp_path):
     lesson = tmp_path / "demo.py"
     lesson.write_text("# [start: a]\nx = 1\n# [end: a]\n# [start: b]\ny = 2\n# [end: b]\n\n\ndef f():\n    pass\n")
@@ -287,6 +294,7 @@ def test_a_rebuild_executes_exactly_the_chapters_whose_code_changed(tmp_path):
     assert "48" in (html / "plain.html").read_text()
 
 
+@pytest.mark.unit
 def test_a_chapter_that_uses_lessonlib_depends_on_all_of_it():
     """An edit to any lessonlib module re-executes every chapter that imports lessonlib (and no other)."""
     from lessonlib.bookdeps import dependencies

@@ -6,10 +6,11 @@ what the book, JupyterLab and VS Code show (tests/test_browser.py looks at it in
 """
 
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
-import time
+from pathlib import Path
 
 import pytest
 
@@ -108,6 +109,7 @@ def failed(stuck_script):
 # --------------------------------------------------------------------------- one line per rank, first
 
 
+@pytest.mark.unit
 def test_each_rank_gets_one_line_saying_how_it_ended_and_where(failed, stuck_script):
     lines = [str(line) for line in display.rank_lines(failed)]
     assert lines == [
@@ -138,6 +140,7 @@ def test_every_view_of_a_failed_run_leads_with_the_rank_lines(failed):
         assert f"<b>rank {rank}</b>" in page[summary : page.index("</ul>", summary)]
 
 
+@pytest.mark.unit
 def test_a_hung_run_says_where_each_rank_was(stuck_script):
     hung = result_of(
         [
@@ -156,6 +159,7 @@ def test_a_hung_run_says_where_each_rank_was(stuck_script):
     assert story[3] == "Their Python stacks at that moment:" and story[4] == "--- rank 0 stack ---"
 
 
+@pytest.mark.unit
 def test_a_rank_that_left_early_is_the_one_to_look_at():
     closed = "RuntimeError: Connection closed by peer [127.0.0.1]:48876. This is typically caused by a remote " + (
         "worker crashing. " * 8
@@ -175,6 +179,7 @@ def test_a_rank_that_left_early_is_the_one_to_look_at():
 # --------------------------------------------------------------------------- tracebacks and paths
 
 
+@pytest.mark.unit
 def test_frames_of_a_traceback_and_of_a_stack_dump(stuck_script):
     assert [(f.function, f.line, f.own) for f in display.frames(TRACEBACK)] == [
         ("<module>", 12, True),
@@ -193,6 +198,7 @@ def test_frames_of_a_traceback_and_of_a_stack_dump(stuck_script):
     assert display.innermost_frame("no traceback here") is None
 
 
+@pytest.mark.unit
 def test_shown_paths_are_short_and_the_result_keeps_them_whole(failed):
     assert display.short_paths(f'File "{SITE}/torch/x.py"') == 'File "torch/x.py"'
     assert display.short_paths(f'File "{ROOT}/lessons/12_hang.py"') == 'File "lessons/12_hang.py"'
@@ -225,6 +231,7 @@ def test_tracebacks_and_stacks_are_folded_with_torch_frames_grey(failed):
     assert "a warning first" in page[: page.index(trace)]
 
 
+@pytest.mark.unit
 def test_stderr_is_split_into_text_tracebacks_and_stacks():
     lines = [
         "warning",
@@ -268,6 +275,7 @@ def test_columns_keep_a_readable_width_at_four_ranks():
     assert page.count('class="lessonlib-rank"') == 4 and "lessonlib-summary" not in page
 
 
+@pytest.mark.unit
 def test_the_live_view_shows_ranks_that_printed_nothing_yet_on_one_line():
     drawn = []
     view = display.HtmlLiveView("lessons/demo.py", [], 3, 1, draw=drawn.append)
@@ -290,8 +298,10 @@ from lessonlib.result import RankOutput, RunResult
 config = Config()
 config.HistoryManager.enabled = False
 shell = InteractiveShell.instance(config=config)
-shell.user_ns["fresh"] = lambda: RunResult("x.py", [], 1, 1, [RankOutput(0, "hi\\n", exitcode=0, status="ok")],
-                                            "", [0], 1.0, 60.0)
+shell.user_ns["fresh"] = lambda: RunResult(
+    script="x.py", args=[], nproc=1, nnodes=1, ranks=[RankOutput(0, stdout="hi\\n", exitcode=0, status="ok")],
+    launcher_output="", returncodes=[0], wall_time=1.0, timeout=60.0,
+)
 shell.user_ns["drawn"] = drawn = []
 shell.user_ns.update(threading=threading, HtmlLiveView=HtmlLiveView)
 
@@ -327,32 +337,12 @@ def test_a_run_is_not_shown_again_by_the_cell_whose_view_showed_it():
     ], done.stdout
 
 
+@pytest.mark.unit
 def test_a_run_has_a_short_repr(failed):
     assert repr(failed) == "<RunResult lessons/demo.py failed: 4 rank(s), failed [0, 1], 3.00 s>"
 
 
 # --------------------------------------------------------------------------- a real launch
-
-FAILS_IN_TORCH = """import os, sys, time
-
-rank = int(os.environ["RANK"])
-ready = sys.argv[1]
-if rank >= 2:  # says nothing, exits 0, and lets rank 0 know
-    open(os.path.join(ready, f"rank{rank}.done"), "w").close()
-elif rank == 1:
-    print("rank 1: waiting", flush=True)
-    time.sleep(120)  # STOPPED-HERE
-else:
-    deadline = time.monotonic() + 60
-    while not all(os.path.exists(os.path.join(ready, f"rank{r}.done")) for r in (2, 3)):
-        assert time.monotonic() < deadline, "ranks 2 and 3 never finished"
-        time.sleep(0.05)
-    time.sleep(1)  # their exit records too
-    import torch
-
-    print("rank 0: loading", flush=True)
-    torch.load(os.path.join(ready, "missing.pt"))  # RAISES-HERE
-"""
 
 
 @pytest.mark.timeout(180)
@@ -361,18 +351,16 @@ def test_a_real_failed_launch_reads_rank_by_rank(tmp_path):
     2 and 3 exit 0 having printed nothing. Every view leads with the four lines, names the script's own
     lines, shows no absolute environment or checkout path, folds the tracebacks with torch's frames
     grey, and gives the quiet ranks one line, not a column each."""
-    script = tmp_path / "fails_in_torch.py"
-    script.write_text(FAILS_IN_TORCH)
+    script = Path(shutil.copy(ROOT / "tests" / "helpers" / "fails_in_torch.py", tmp_path))  # outside the checkout
     ready = tmp_path / "ready"
     ready.mkdir()
-    t0 = time.monotonic()
     run = lessonlib.launch(script, nproc=4, args=[str(ready)], timeout=120, show="none")
-    assert time.monotonic() - t0 < 110, "the failure did not end the run"
+    assert not run.timed_out, "the failure did not end the run"
     story = run.describe_failure()
     assert not run.ok and run.root_cause is not None and run.root_cause.rank == 0, story
     assert [r.status for r in run.ranks] == ["failed", "terminated", "ok", "ok"], story
-    raises = next(i for i, ln in enumerate(FAILS_IN_TORCH.splitlines(), 1) if "RAISES-HERE" in ln)
-    stopped = next(i for i, ln in enumerate(FAILS_IN_TORCH.splitlines(), 1) if "STOPPED-HERE" in ln)
+    raises = next(i for i, ln in enumerate(script.read_text().splitlines(), 1) if "RAISES-HERE" in ln)
+    stopped = next(i for i, ln in enumerate(script.read_text().splitlines(), 1) if "STOPPED-HERE" in ln)
     expected = [
         f"rank 0 (root cause): FileNotFoundError: [Errno 2] No such file or directory: '{ready}/missing.pt'; "
         f'at {script}:{raises} in <module>: torch.load(os.path.join(ready, "missing.pt"))',

@@ -14,8 +14,9 @@ large share of a small lesson's CPU time, and CI's time is the budget. Chapter 1
 torchrun itself and always run under it (lessonlib.launch), as does every launch in the book;
 test_forked_ranks_fail_as_a_launch_fails runs one failing script both ways and compares.
 
-A chapter that launches a lesson with its default arguments and `.raise_for_status()` already runs
-that lesson at that world size, every rank to exit 0, inside the book build. When the book build is
+A chapter that launches a lesson with its default arguments and `.raise_for_status()` (alone, or in a
+loop over world sizes) already runs that lesson at that world size, every rank to exit 0, inside the
+book build. When the book build is
 part of the same pytest session, such a pair is skipped here with the chapter named, instead of being
 run twice: CI time is the budget the course lives within. Run this file alone and every pair runs.
 
@@ -28,8 +29,10 @@ single-process script: run at world size 1 only).
 That first line is also what the README tells readers to paste, so test_docstring_command_runs runs
 it exactly as written (shlex.split; `torchrun` and `python` are the ones next to this interpreter; from
 the repository root): real torchrun, real imports, no fork server. It replaces the run of the same
-(lesson, world size) pair here, so the pair is not run twice, and it runs even where the book launches
-that pair, since the book goes through lessonlib.launch, not the pasted command.
+(lesson, world size) pair here, so the pair is not run twice. Where the book, in the same session,
+launches that pair under torchrun with default options (lessonlib.launch runs torchrun's own agent),
+the book's run stands for it; each lesson's command names the world size its chapter launches it at,
+so that most commands are run once, by the book.
 """
 
 import ast
@@ -111,10 +114,12 @@ def command_world_size(lesson):
     return int(m.group(1) or m.group(2)) if m else 1
 
 
+@pytest.mark.unit
 def test_lessons_are_found():
     assert LESSONS, f"no lessons matched {ROOT / 'lessons/[0-9][0-9]_*.py'}"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
 def test_docstring_starts_with_the_command_that_runs_it(lesson):
     command, path = command_of(lesson), f"lessons/{lesson.name}"
@@ -246,36 +251,19 @@ def test_a_lesson_missing_an_import_of_its_own_fails(tmp_path):
     assert run.ok, run.describe_failure()
 
 
-FAILING = """import time
-import torch.distributed as dist
-import lessonlib
+HELPERS = ROOT / "tests" / "helpers"
 
-ctx = lessonlib.setup(device="cpu")
-print(f"rank {ctx.rank} up", flush=True)
-if ctx.rank == 1:
-    time.sleep(0.5)
-    raise ValueError("rank 1 gives up")
-dist.barrier()  # rank 0 waits here for a partner that has failed
-"""
 
-HANGING = """import time
-import torch.distributed as dist
-import lessonlib
-
-ctx = lessonlib.setup(device="cpu", timeout=600)  # the run's bound, not the group's, must end the wait
-print(f"rank {ctx.rank} up", flush=True)
-if ctx.rank == 1:
-    time.sleep(600)  # rank 1 never arrives
-dist.barrier()
-"""
+def line_of(script, text):
+    """The number of the line of `script` that contains `text` (the first such line)."""
+    return next(i for i, line in enumerate(script.read_text().splitlines(), 1) if text in line)
 
 
 def test_forked_ranks_fail_as_a_launch_fails(tmp_path):
     """The same failing script through the test's forked ranks and through lessonlib.launch (torchrun):
     both name rank 1 as the root cause with its ValueError and its traceback in the script, and rank 0
     as failed after it (whether it noticed the lost peer or was stopped first)."""
-    script = tmp_path / "fails.py"
-    script.write_text(FAILING)
+    script = HELPERS / "rank1_fails.py"
     forked = run_ranks(script, 2, tmp_path / "forked")
     launched = lessonlib.launch(script, nproc=2, timeout=TIMEOUT, show="none")
     for run in (forked, launched):
@@ -285,7 +273,9 @@ def test_forked_ranks_fail_as_a_launch_fails(tmp_path):
         assert text.startswith(f"{run.script} failed on rank(s) 0, 1 of 2:\n  rank 0"), text
         assert "\n  rank 1 (root cause): ValueError: rank 1 gives up" in text, text
         assert "\nFirst failure (root cause): rank 1 exited 1" in text, text
-        assert 'fails.py", line 9, in <module>' in run.root_cause.traceback, text
+        assert f'{script.name}", line {line_of(script, "raise ValueError")}, in <module>' in run.root_cause.traceback, (
+            text
+        )
         assert "_rank_main" not in run.root_cause.traceback, text  # it reads as under a bare torchrun
         assert run.ranks[0].stdout == "rank 0 up\n", text
 
@@ -293,8 +283,8 @@ def test_forked_ranks_fail_as_a_launch_fails(tmp_path):
 def test_forked_ranks_time_out_as_a_launch_does(tmp_path):
     """A hang, both ways: at the deadline each rank prints where it waits (the rank wrapper's
     faulthandler, asked by the same dump_stacks_then_kill), and every process is gone afterwards."""
-    script = tmp_path / "hangs.py"
-    script.write_text(HANGING)
+    script = HELPERS / "rank1_hangs.py"
+    where = {0: line_of(script, "dist.barrier()"), 1: line_of(script, "time.sleep(600)")}
     # Bounds that a loaded 2-core machine still meets with the ranks inside the hang: the launch starts a
     # torchrun agent, which imports torch before any rank exists, while the book builds beside it.
     forked = run_ranks(script, 2, tmp_path / "forked", timeout=30)
@@ -303,5 +293,5 @@ def test_forked_ranks_time_out_as_a_launch_does(tmp_path):
         text = run.describe_failure()
         assert run.timed_out and [r.status for r in run.ranks] == ["hung", "hung"], text
         assert "rank(s) 0, 1 were still running and were killed" in text, text
-        assert 'hangs.py", line 9 in <module>' in text.split("--- rank 0 stack ---")[1], text
-        assert 'hangs.py", line 8 in <module>' in text.split("--- rank 1 stack ---")[1], text
+        for rank, line in where.items():
+            assert f'{script.name}", line {line} in <module>' in text.split(f"--- rank {rank} stack ---")[1], text

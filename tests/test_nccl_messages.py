@@ -16,6 +16,8 @@ import pytest
 
 from lessonlib import ncclmessages
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -15,12 +15,14 @@ import pytest
 from lessonlib import readingmap
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("chapter", readingmap.chapters(), ids=lambda p: p.stem)
 def test_every_section_is_labelled_and_the_map_agrees(chapter):
     bad = readingmap.problems(chapter)
     assert not bad, "\n".join(bad) + "\n(python -m lessonlib.readingmap rewrites the minutes and the maps)"
 
 
+@pytest.mark.unit
 def test_every_chapter_has_a_core():
     for chapter in readingmap.chapters():
         kinds = {s.kind for s in readingmap.sections(chapter)}
@@ -40,6 +42,7 @@ def notebook(tmp_path, *markdown, code_cells=0, name="99_test.ipynb"):
     return path
 
 
+@pytest.mark.unit
 def test_estimate_counts_prose_code_and_the_time_an_exercise_takes():
     prose = {"cell_type": "markdown", "source": "word " * (readingmap.READING_WPM * 3)}
     code = {"cell_type": "code", "source": "x = 1"}
@@ -49,6 +52,7 @@ def test_estimate_counts_prose_code_and_the_time_an_exercise_takes():
     assert readingmap.estimate([], "Core") == 1  # never 0
 
 
+@pytest.mark.unit
 def test_write_labels_each_section_and_makes_the_map(tmp_path):
     long = "word " * 900  # 5 minutes
     path = notebook(
@@ -76,6 +80,7 @@ def test_write_labels_each_section_and_makes_the_map(tmp_path):
     assert readingmap.write(path) is False
 
 
+@pytest.mark.unit
 def test_a_stale_map_or_a_wrong_time_is_reported(tmp_path):
     path = notebook(tmp_path, "# 99. T", "## A\n\n" + "word " * 1800)
     readingmap.write(path, {"A": "Core"})
@@ -86,12 +91,14 @@ def test_a_stale_map_or_a_wrong_time_is_reported(tmp_path):
     assert any("the reading map does not match" in b for b in bad), bad
 
 
+@pytest.mark.unit
 def test_a_section_needs_a_known_kind(tmp_path):
     path = notebook(tmp_path, "# 99. T", "## A\n\ntext")
     with pytest.raises(ValueError, match=r"section 'A' needs a kind, one of \('Core', 'Deep dive', 'Exercise'\)"):
         readingmap.write(path, {"A": "Optional"})
 
 
+@pytest.mark.unit
 def test_the_short_path_takes_core_sections_only(tmp_path):
     notebook(tmp_path, "# 99. T", "## Basics\n\ntext", "## Internals\n\ntext")
     readingmap.write(tmp_path / "99_test.ipynb", {"Basics": "Core", "Internals": "Deep dive"})
@@ -125,6 +132,7 @@ def plumbing_cells(path):
     ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("notebook", [*readingmap.chapters(), readingmap.BOOK / "start.ipynb"], ids=lambda p: p.stem)
 def test_plumbing_is_folded_in_the_book(notebook):
     """Tables and plots stay; the code that makes them folds away (hide-input), so that the code a page

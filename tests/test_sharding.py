@@ -19,6 +19,8 @@ from lessonlib.sharding import (
     shard,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_per_rank_bytes_follows_the_zero_stages():
     # Mixed precision, 7.5B parameters, 64 ranks: the ZeRO paper's figure 1 (120 GB, 31.4, 16.6, 1.9).

@@ -1,4 +1,5 @@
-"""One formatter and one linter for the whole course, and lessons of a readable size.
+"""One formatter and one linter for the whole course, lessons of a readable size, and a unit tier that
+starts no process.
 
 ruff (pinned in requirements.txt, configured in pyproject.toml) covers the lessons, lessonlib, the
 tests, the benchmarks and the chapters' code cells. `make format` fixes what these tests find.
@@ -50,8 +51,17 @@ def test_ruff_covers_the_notebooks_and_every_python_folder():
     assert not missing, f"ruff does not read: {missing}"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
 def test_a_lesson_stays_one_idea_long(lesson):
     lines = len(lesson.read_text().splitlines())
     assert lines <= MAX_LESSON_LINES, f"{lesson.name} has {lines} lines: split it (at most {MAX_LESSON_LINES})"
     ast.parse(lesson.read_text())  # and it is Python a reader can run
+
+
+@pytest.mark.unit
+def test_a_unit_test_that_starts_a_process_is_caught(processes_started):
+    """tests/conftest.py notes it (and would fail this test after it), so the tier stays one of seconds."""
+    subprocess.run([sys.executable, "-c", "pass"], timeout=30)
+    assert [event for event, _ in processes_started] == ["subprocess.Popen"], processes_started
+    processes_started.clear()  # what the check after every unit test fails on

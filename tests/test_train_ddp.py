@@ -63,6 +63,7 @@ def assert_same_state(a, b):
         assert torch.equal(per_param["momentum_buffer"], b["optimizer"]["state"][i]["momentum_buffer"]), i
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("script", [SCRIPT, ONE], ids=lambda p: p.name)
 def test_imports_torch_and_the_standard_library_only(script):
     allowed = set(sys.stdlib_module_names) | {"torch", "torchvision"}
@@ -195,6 +196,7 @@ def table_code(notebook, heading, column):
     ],
     ids=["start-page", "chapter-11-checklist"],
 )
+@pytest.mark.unit
 def test_the_tables_that_map_the_script_name_its_own_code(notebook, heading, column):
     source = SCRIPT.read_text()
     spans = table_code(notebook, heading, column)

@@ -63,6 +63,7 @@ def module_file(name):
     return path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
 
 
+@pytest.mark.unit
 def test_launch_json_is_plain_json_with_what_vscode_needs():
     data = load()  # json.loads: no comments, no trailing commas
     assert data.get("version") == "0.2.0", data.get("version")
@@ -83,6 +84,7 @@ def test_launch_json_is_plain_json_with_what_vscode_needs():
         assert compound["configurations"] and not missing, f"{compound['name']}: no configuration {missing}"
 
 
+@pytest.mark.unit
 def test_attach_ports_are_the_waiting_ranks_ports():
     """The lesson's rule: rank r listens on --debugpy-port + r; each 'attach to rank r' connects there."""
     args = config("torchrun: 12_debug_one_rank, 2 ranks waiting for a debugger")["args"]
