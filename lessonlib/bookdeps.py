@@ -36,6 +36,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .launchspec import ROOT, find_script
@@ -110,69 +111,91 @@ def describe_failure(path, log):
     return f"{path}, {where} failed:\n{textwrap.indent(info['source'] or '', '    ')}\n{info['error'].strip()}"
 
 
-def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print):
-    """Execute the notebooks, `jobs` at a time, each in a process (and session) of its own, bounded.
+@dataclass(kw_only=True)
+class Execution:
+    """What execute_notebooks did, by notebook path: how long each took, how each failed, where each
+    executed copy is (in `scratch`, a temporary folder the caller removes), each one's slowest cells."""
 
-    Returns ({path: seconds}, {path: failure text}, {path: executed copy}, scratch, {path: slowest
-    cells}): the executed copies are in `scratch`, a temporary folder the caller removes. If this
-    raises, or the build is sent SIGTERM, every executor still running is killed with everything it
-    started (its kernel, the kernel's launches) and `scratch` is removed here.
-    """
-    scratch = Path(tempfile.mkdtemp(prefix="lessonlib-book-"))
-    running = {}  # {path: (process, mark, log file, executed copy, start time)}
+    scratch: Path
+    seconds: dict = field(default_factory=dict)
+    failures: dict = field(default_factory=dict)
+    executed: dict = field(default_factory=dict)
+    slowest: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Executor:
+    """One notebook being executed: its process (in a session of its own), the mark on every process
+    it starts, its log, where it writes the executed copy, and when it started."""
+
+    proc: subprocess.Popen
+    mark: str
+    log: object
+    out: Path
+    started: float
+
+
+def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print):
+    """Execute the notebooks, `jobs` at a time, each in a process (and session) of its own, bounded;
+    returns an Execution. If this raises, or the build is sent SIGTERM, every executor still running
+    is killed with everything it started (its kernel, the kernel's launches) and the scratch folder
+    is removed here."""
+    done = Execution(scratch=Path(tempfile.mkdtemp(prefix="lessonlib-book-")))
+    running = {}  # {path: _Executor}
     with sigterm_cleans_up():  # SIGTERM unwinds to the `except` below before the build ends
         try:
-            times, failures, executed, slowest = _execute_all(
-                list(paths), running, scratch, cell_timeout, jobs, timeout, log
-            )
+            _execute_all(list(paths), running, done, cell_timeout, jobs, timeout, log)
         except BaseException:
-            for proc, mark, logfile, _, _ in running.values():
-                kill_session(proc, mark)  # the executor, its kernel and every launch that kernel started
-                logfile.close()
-            shutil.rmtree(scratch, ignore_errors=True)
+            for executor in running.values():
+                kill_session(executor.proc, executor.mark)  # the executor, its kernel, the kernel's launches
+                executor.log.close()
+            shutil.rmtree(done.scratch, ignore_errors=True)
             raise
-    return times, failures, executed, scratch, slowest
+    return done
 
 
-def _execute_all(pending, running, scratch, cell_timeout, jobs, timeout, log):
+def _execute_all(pending, running, done, cell_timeout, jobs, timeout, log):
     """execute_notebooks' loop: start executors up to `jobs`, collect each as it ends or runs late."""
-    times, failures, executed, slowest = {}, {}, {}, {}
     while pending or running:
         while pending and len(running) < jobs:
             path = pending.pop(0)
-            out = scratch / f"{len(executed) + len(running) + len(failures)}-{path.name}"
-            logfile = open(scratch / f"{out.stem}.log", "w+")
-            env, mark = marked_environment()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "lessonlib._execute_notebook", str(path), str(out), str(cell_timeout)],
-                cwd=ROOT,
-                env=env,
-                stdout=logfile,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-            running[path] = (proc, mark, logfile, out, time.monotonic())
-        for path, (proc, mark, logfile, out, started) in list(running.items()):
-            late = time.monotonic() - started > timeout
-            if proc.poll() is None and not late:
+            running[path] = _start(path, done, len(done.executed) + len(running) + len(done.failures), cell_timeout)
+        for path, executor in list(running.items()):
+            late = time.monotonic() - executor.started > timeout
+            if executor.proc.poll() is None and not late:
                 continue
-            kill_session(proc, mark)  # a late executor, or what a finished one left (its kernel's launches)
-            logfile.seek(0)
-            text = logfile.read()
-            logfile.close()
+            kill_session(executor.proc, executor.mark)  # a late executor, or what a finished one left
+            executor.log.seek(0)
+            text = executor.log.read()
+            executor.log.close()
             del running[path]
             if late:
-                failures[path] = f"{path}: still running after {timeout} s (killed)\n{text[-3000:]}"
-            elif proc.returncode != 0:
-                failures[path] = describe_failure(path, text)
+                done.failures[path] = f"{path}: still running after {timeout} s (killed)\n{text[-3000:]}"
+            elif executor.proc.returncode != 0:
+                done.failures[path] = describe_failure(path, text)
             else:
-                done = json.loads(text.strip().splitlines()[-1])
-                times[path], slowest[path] = done["seconds"], done.get("slowest", [])
-                executed[path] = out
-            log(f"lessonlib.bookdeps: {path.name}: " + (f"executed in {times[path]} s" if path in times else "FAILED"))
+                report = json.loads(text.strip().splitlines()[-1])
+                done.seconds[path], done.slowest[path] = report["seconds"], report.get("slowest", [])
+                done.executed[path] = executor.out
+            said = f"executed in {done.seconds[path]} s" if path in done.seconds else "FAILED"
+            log(f"lessonlib.bookdeps: {path.name}: {said}")
         time.sleep(0.2)
-    return times, failures, executed, slowest
+
+
+def _start(path, done, number, cell_timeout):
+    out = done.scratch / f"{number}-{path.name}"
+    logfile = open(done.scratch / f"{out.stem}.log", "w+")
+    env, mark = marked_environment()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lessonlib._execute_notebook", str(path), str(out), str(cell_timeout)],
+        cwd=ROOT,
+        env=env,
+        stdout=logfile,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    return _Executor(proc=proc, mark=mark, log=logfile, out=out, started=time.monotonic())
 
 
 def _note(app, docname, source):
@@ -183,20 +206,22 @@ def _note(app, docname, source):
         app.env.note_dependency(str(dep))
 
 
-def _execute_stale(app, env, docnames):
-    """Execute, side by side, the notebooks about to be read whose cached outputs are missing or stale."""
-    import nbformat
-    from jupyter_cache import get_cache
-    from jupyter_cache.base import CacheBundleIn
-    from sphinx.errors import ExtensionError
-    from sphinx.util import logging
+@dataclass(frozen=True, kw_only=True)
+class Stale:
+    """A notebook to execute: its cached outputs are missing or were made from other dependencies."""
 
-    logger = logging.getLogger(__name__)
-    config = env.mystnb_config
-    if config.execution_mode != "cache":
-        return
-    cache = get_cache(config.execution_cache_path)
-    stale = []  # (path, key, seconds it took last time or None)
+    path: Path
+    key: str  # dependency_key of what it depends on now
+    last_seconds: float | None  # how long it took last time, if it ever ran
+
+
+def find_stale(cache, env, docnames):
+    """The notebooks among `docnames` to execute, longest first (last time's duration, else ten
+    seconds per launch), so that the longest does not start last. A cache record made from other
+    dependencies is removed here: MyST-NB must never render it."""
+    import nbformat
+
+    stale = []
     for docname in docnames:
         path = Path(env.doc2path(docname))
         if path.suffix != ".ipynb":
@@ -209,49 +234,64 @@ def _execute_stale(app, env, docnames):
             record = None
         if record is not None and record.data.get(KEY) == key:
             continue
-        if record is not None:  # made from other lessons: never let MyST-NB render it
+        if record is not None:
             cache.remove_cache(record.pk)
-        stale.append((path, key, (record.data.get("execution_seconds") if record else None)))
-    report = {"jobs": 0, "seconds": 0.0, "executed": {}, "failures": {}}
+        stale.append(Stale(path=path, key=key, last_seconds=record.data.get("execution_seconds") if record else None))
+    return sorted(stale, key=lambda s: -(s.last_seconds if s.last_seconds is not None else 10 * _launches(s.path)))
+
+
+def cache_executed(cache, stale, done):
+    """Store each executed copy in the cache, with its dependency key, then empty the scratch folder."""
+    import nbformat
+    from jupyter_cache.base import CacheBundleIn
+
+    keys = {s.path: s.key for s in stale}
+    try:
+        for path, out in done.executed.items():
+            data = {"execution_seconds": done.seconds[path], KEY: keys[path]}
+            bundle = CacheBundleIn(nbformat.read(out, as_version=4), str(path), data=data)
+            cache.cache_notebook_bundle(bundle, check_validity=False, overwrite=True)
+    finally:
+        shutil.rmtree(done.scratch, ignore_errors=True)
+
+
+def report(jobs, seconds, done):
+    """What a build executed, in how long and how it failed: written to _build/lessonlib-execution.json."""
+    if done is None:
+        return {"jobs": 0, "seconds": 0.0, "executed": {}, "failures": {}}
+    return {
+        "jobs": jobs,
+        "seconds": round(seconds, 1),
+        "executed": {str(p): s for p, s in done.seconds.items()},
+        "slowest_cells": {str(p): cells for p, cells in done.slowest.items()},
+        "failures": {str(p): f for p, f in done.failures.items()},
+    }
+
+
+def _execute_stale(app, env, docnames):
+    """Execute, side by side, the notebooks about to be read whose cached outputs are missing or stale."""
+    from jupyter_cache import get_cache
+    from sphinx.errors import ExtensionError
+    from sphinx.util import logging
+
+    logger = logging.getLogger(__name__)
+    config = env.mystnb_config
+    if config.execution_mode != "cache":
+        return
+    cache = get_cache(config.execution_cache_path)
+    stale = find_stale(cache, env, docnames)
+    n, done, started = min(jobs(), len(stale)), None, time.monotonic()
     if stale:
-        n = min(jobs(), len(stale))
-        # The longest first (last time's duration, else the number of launches), so it does not start last.
-        stale.sort(key=lambda s: -(s[2] if s[2] is not None else 10 * _launches(s[0])))
-        logger.info(
-            f"lessonlib.bookdeps: executing {len(stale)} notebook(s), {n} at a time: "
-            + ", ".join(p.name for p, _, _ in stale)
-        )
-        started = time.monotonic()
-        times, failures, executed, scratch, slowest = execute_notebooks(
-            [p for p, _, _ in stale], config.execution_timeout, n, chapter_timeout(), log=logger.info
-        )
-        try:
-            keys = {p: k for p, k, _ in stale}
-            for path, out in executed.items():
-                cache.cache_notebook_bundle(
-                    CacheBundleIn(
-                        nbformat.read(out, as_version=4),
-                        str(path),
-                        data={"execution_seconds": times[path], KEY: keys[path]},
-                    ),
-                    check_validity=False,
-                    overwrite=True,
-                )
-        finally:
-            for item in scratch.iterdir():
-                item.unlink()
-            scratch.rmdir()
-        report = {
-            "jobs": n,
-            "seconds": round(time.monotonic() - started, 1),
-            "executed": {str(p): s for p, s in times.items()},
-            "slowest_cells": {str(p): cells for p, cells in slowest.items()},
-            "failures": {str(p): f for p, f in failures.items()},
-        }
-    Path(app.outdir).parent.joinpath(REPORT).write_text(json.dumps(report, indent=1))
-    if report["failures"]:
-        message = f"{len(report['failures'])} notebook(s) failed to execute:\n\n" + "\n\n".join(
-            report["failures"].values()
+        names = ", ".join(s.path.name for s in stale)
+        logger.info(f"lessonlib.bookdeps: executing {len(stale)} notebook(s), {n} at a time: {names}")
+        paths = [s.path for s in stale]
+        done = execute_notebooks(paths, config.execution_timeout, n, chapter_timeout(), log=logger.info)
+        cache_executed(cache, stale, done)
+    written = report(n, time.monotonic() - started, done)
+    Path(app.outdir).parent.joinpath(REPORT).write_text(json.dumps(written, indent=1))
+    if written["failures"]:
+        message = f"{len(written['failures'])} notebook(s) failed to execute:\n\n" + "\n\n".join(
+            written["failures"].values()
         )
         if config.execution_raise_on_error:
             raise ExtensionError(message, modname=__name__)
