@@ -23,10 +23,9 @@ MAX_RESTARTS = 5  # torchrun --max-restarts: whole-group restarts after a failur
 BACKENDS = ("gloo", "nccl")
 LAUNCHERS = ("torchrun", "torch.distributed.launch")
 RENDEZVOUS = ("c10d", "static")
-# torchrun sets these for each rank; a value passed in `env` would be silently overwritten.
-# PYTHONUNBUFFERED is lessonlib's: the live view needs every line flushed. (PYTHONPATH in `env` is kept,
-# after the course root.)
-RESERVED_ENV = (
+# torchrun sets these for each rank; a value passed in `env` would be silently overwritten. Without
+# them (plain `python lessons/X.py`), lessonlib.setup makes a group of one.
+TORCHRUN_ENV = (
     "RANK",
     "LOCAL_RANK",
     "WORLD_SIZE",
@@ -36,8 +35,10 @@ RESERVED_ENV = (
     "ROLE_RANK",
     "MASTER_ADDR",
     "MASTER_PORT",
-    "PYTHONUNBUFFERED",
 )
+# PYTHONUNBUFFERED is lessonlib's: the live view needs every line flushed. (PYTHONPATH in `env` is kept,
+# after the course root.)
+RESERVED_ENV = (*TORCHRUN_ENV, "PYTHONUNBUFFERED")
 
 
 @dataclass(frozen=True, kw_only=True)

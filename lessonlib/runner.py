@@ -97,11 +97,12 @@ def kind_of(command):
 
 
 def nproc_of(command):
-    """The world size a lesson's command runs it at: N of --nproc_per_node=N, 1 for `python x.py`."""
+    """The world size a lesson's command runs it at: N of --nproc_per_node=N or of --world-size N (a
+    script that starts its own processes), 1 for `python x.py`; None when the command names none."""
     if kind_of(command) == "single":
         return 1
-    m = re.search(r"--nproc[_-]per[_-]node[= ](\d+)", command)
-    return int(m.group(1)) if m else None
+    m = re.search(r"--nproc[_-]per[_-]node[= ](\d+)|--world-size[= ](\d+)", command)
+    return int(m.group(1) or m.group(2)) if m else None
 
 
 def chapter_titles(root=ROOT):

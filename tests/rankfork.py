@@ -32,7 +32,7 @@ from pathlib import Path
 
 import lessonlib
 from lessonlib.launcher import _environment as launch_environment
-from lessonlib.launchspec import check_launch
+from lessonlib.launchspec import TORCHRUN_ENV, check_launch
 from lessonlib.result import Ending, read_result
 from lessonlib.runprocs import RankWatch, dump_stacks_then_kill
 
@@ -128,16 +128,6 @@ def kill_rank(proc):
     proc.join()
 
 
-TORCHRUN_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 FAILURE_GRACE = 5.0  # seconds the other ranks get after one failed, as torchrun's agent gives them
 
 
@@ -191,7 +181,7 @@ def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT, plain=Fals
         if plain:
             # (torch in the fork server was loaded with torchrun's OMP_NUM_THREADS=1, so a plain run here
             # has one intra-op thread where a reader's may have more: the same code, at another speed.)
-            drop = (*TORCHRUN_VARS, "OMP_NUM_THREADS")
+            drop = (*TORCHRUN_ENV, "OMP_NUM_THREADS")
             base = {k: v for k, v in base.items() if k not in drop and not k.startswith("TORCHELASTIC_")}
         try:
             for rank in range(world_size):

@@ -23,8 +23,10 @@ from pathlib import Path
 import pytest
 
 import lessonlib
+from lessonlib._runfolder import RUN_DIR_VAR
 from lessonlib.code import regions
 from lessonlib.exercises import PRELUDE, load_function
+from lessonlib.launchspec import TORCHRUN_ENV
 from lessonlib.runprocs import run_bounded
 from rankfork import run_ranks
 
@@ -44,7 +46,7 @@ def solution_region(lesson):
 def run_python(args, cwd, timeout=TIMEOUT):
     """Run `python ARGS` in a session of its own; on timeout kill the session (DataLoader workers too)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LESSONLIB_RUN_DIR"):
+    for name in (*TORCHRUN_ENV, RUN_DIR_VAR):
         env.pop(name, None)  # world size 1: a group of one, as `python lessons/X.py` makes
     done = run_bounded([sys.executable, *args], timeout, cwd=cwd, env=env)
     if done.timed_out:

@@ -35,7 +35,6 @@ the book's run stands for it; each lesson's command names the world size its cha
 so that most commands are run once, by the book.
 """
 
-import ast
 import json
 import os
 import re
@@ -46,8 +45,11 @@ from pathlib import Path
 import pytest
 
 import lessonlib
+from lessonlib import runner
+from lessonlib.launchspec import TORCHRUN_ENV
+from lessonlib.runner import command_of
 from lessonlib.runprocs import run_bounded
-from rankfork import TORCHRUN_VARS, run_ranks
+from rankfork import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = sorted(ROOT.glob("lessons/[0-9][0-9]_*.py"))
@@ -94,27 +96,16 @@ def book_runs():
 BOOK_RUNS = book_runs()
 
 
-def command_of(lesson):
-    """The command on the first line of the lesson's docstring."""
-    doc = ast.get_docstring(ast.parse(lesson.read_text())) or ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
-
-
 def kind_of(lesson):
-    """'torchrun', 'spawn' (python ... --world-size N) or 'single' (python ...), from its command."""
-    command = command_of(lesson)
-    if command.startswith("torchrun "):
-        return "torchrun"
-    return "spawn" if "--world-size" in command else "single"
+    """'torchrun', 'spawn' or 'single', from the lesson's command (lessonlib.runner's reading of it)."""
+    return runner.kind_of(command_of(lesson))
 
 
 def command_world_size(lesson):
-    """The world size the lesson's command runs it at: N of --nproc_per_node=N or --world-size N, else 1."""
-    m = re.search(r"--nproc_per_node=(\d+)|--world-size[= ](\d+)", command_of(lesson))
-    return int(m.group(1) or m.group(2)) if m else 1
+    """The world size the lesson's command runs it at (1 when it names none)."""
+    return runner.nproc_of(command_of(lesson)) or 1
 
 
-@pytest.mark.unit
 def test_lessons_are_found():
     assert LESSONS, f"no lessons matched {ROOT / 'lessons/[0-9][0-9]_*.py'}"
 
@@ -152,7 +143,7 @@ def run_command(command, tmp_path):
     argv[0] = PROGRAMS[argv[0]]
     if not Path(argv[0]).is_file():
         pytest.fail(f"{argv[0]} is missing: is torch installed in this environment ({sys.prefix})?")
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
     env["TMPDIR"] = str(tmp_path)  # torchrun's torchelastic_* log folder lands here, not in /tmp for good
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # as activate does
     done = run_bounded(argv, TIMEOUT, cwd=ROOT, env=env)
@@ -166,7 +157,7 @@ def run_command(command, tmp_path):
 def run_plain(lesson, args=()):
     """`python lesson.py [args]`, a fresh interpreter with none of torchrun's variables (so lessonlib.setup
     makes a group of one), from the repository root: bounded, every process it started killed after."""
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
     done = run_bounded([sys.executable, lesson, *args], TIMEOUT, cwd=ROOT, env=env)
     if done.timed_out:
         pytest.fail(f"python {lesson.name} {' '.join(args)} did not finish in {TIMEOUT} s:\n{done.output[-3000:]}")
