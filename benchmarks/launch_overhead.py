@@ -23,6 +23,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,17 +73,19 @@ def time_bare(args=()):
     cmd += list(args)
     # The ranks import lessonlib as the launched ones do; PYTHONPATH is how launch provides it too.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    t0, c0 = time.perf_counter(), cpu_seconds()
-    done = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        timeout=RUN_TIMEOUT,
-    )
-    took = time.perf_counter() - t0, cpu_seconds() - c0
+    # torchrun without --log-dir leaves a torchelastic_* folder in the temporary folder: this run's own.
+    with tempfile.TemporaryDirectory(prefix="launch-overhead-") as tmp:
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        done = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            env={**env, "TMPDIR": tmp},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=RUN_TIMEOUT,
+        )
+        took = time.perf_counter() - t0, cpu_seconds() - c0
     if done.returncode != 0:
         sys.exit(f"bare torchrun failed with exit code {done.returncode}: {' '.join(cmd)}")
     return took
