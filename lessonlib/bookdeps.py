@@ -280,8 +280,9 @@ def _execute_stale(app, env, docnames):
         return
     cache = get_cache(config.execution_cache_path)
     stale = find_stale(cache, env, docnames)
-    n, done, started = min(jobs(), len(stale)), None, time.monotonic()
+    n, done, started = 0, None, time.monotonic()
     if stale:
+        n = min(jobs(), len(stale))
         names = ", ".join(s.path.name for s in stale)
         logger.info(f"lessonlib.bookdeps: executing {len(stale)} notebook(s), {n} at a time: {names}")
         paths = [s.path for s in stale]

@@ -136,7 +136,7 @@ def ranks_problem(n, high=MAX_NPROC):
 
 
 def timeout_problem(seconds):
-    """What is wrong with `seconds` as a run's timeout, or None (launch, the terminal runner, the panel)."""
+    """What is wrong with `seconds` as a run's timeout, or None (launch and the terminal runner's --timeout)."""
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= MAX_TIMEOUT:
         return f"must be a number of seconds in (0, {MAX_TIMEOUT:g}]; got {seconds!r}"
     return None

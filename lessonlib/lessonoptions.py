@@ -38,6 +38,10 @@ class Option:
     low: int | None = None  # kind "int" with choices=range(low, high + 1)
     high: int | None = None
 
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.flag}: kind must be one of {', '.join(KINDS)}; got {self.kind!r}")
+
     @classmethod
     def from_spec(cls, spec):
         """From one dict of lessonlib._argspec.describe."""

@@ -23,6 +23,16 @@ from lessonlib._runfolder import RUN_ID_VAR
 from lessonlib.runprocs import BOUNDED_VAR, kill_all, marked_processes
 
 ROOT = Path(__file__).resolve().parent.parent
+HELPERS = ROOT / "tests" / "helpers"  # the scripts tests launch as ranks, each with a docstring
+
+
+def line_of(script, text):
+    """The number of the one line of `script` that contains `text` (a marker comment, or code)."""
+    hits = [i for i, line in enumerate(Path(script).read_text().splitlines(), 1) if text in line]
+    assert len(hits) == 1, f"expected one line of {script} with {text!r}, found {hits}"
+    return hits[0]
+
+
 SESSION_VAR = "COURSE_TESTS_SESSION"  # not LESSONLIB_*: that prefix is the launcher's own
 # Set at import, before any test spawns, and always anew: under pytest-xdist each worker process gets
 # an id of its own, so one worker never mistakes another worker's running launch for a leak.

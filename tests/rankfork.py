@@ -16,9 +16,10 @@ already set, as torchrun sets it, since OpenMP reads it when torch loads). Each 
 of that server which starts a session of its own, takes the exact environment the test gives it,
 draws fresh random seeds (as a new process would), and runs `python -m lessonlib._rank_main SCRIPT`
 in-process. What differs from a launch is only the torchrun agent, which is not there: the test
-hosts the rendezvous store and watches the ranks itself. Chapter 1's lessons (about torchrun itself),
-the book, the docstring commands and the launcher tests still go through real torchrun, and world
-size 1 is a fresh `python lessons/X.py`.
+hosts the rendezvous store and watches the ranks itself (`run_ranks`, which the lesson and exercise
+tests call; with plain=True it is `python lessons/X.py`: one rank, none of torchrun's variables).
+Chapter 1's lessons (about torchrun itself), the book, the docstring commands and the launcher tests
+still go through real torchrun.
 """
 
 import multiprocessing
@@ -30,11 +31,13 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 import lessonlib
 from lessonlib.launcher import _environment as launch_environment
 from lessonlib.launchspec import TORCHRUN_ENV, check_launch
 from lessonlib.result import Ending, read_result
-from lessonlib.runprocs import RankWatch, dump_stacks_then_kill
+from lessonlib.runprocs import RankWatch, dump_stacks_then_kill, run_bounded
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = Path(HERE).parent
@@ -218,3 +221,14 @@ def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT, plain=Fals
         exitcodes=dict(enumerate(codes)),
     )
     return read_result(spec, str(run_dir), ending)
+
+
+def run_plain(script, args=(), timeout=TIMEOUT):
+    """`python SCRIPT [args]` as a reader's shell runs it, a fresh interpreter with none of torchrun's
+    variables (so lessonlib.setup makes a group of one), from the repository root: bounded, every
+    process it started killed after. Returns (exit code, stdout and stderr)."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
+    done = run_bounded([sys.executable, script, *map(str, args)], timeout, cwd=ROOT, env=env)
+    if done.timed_out:
+        pytest.fail(f"python {script} {' '.join(map(str, args))} did not finish in {timeout} s:\n{done.output[-3000:]}")
+    return done.returncode, done.output

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import lessonlib
+from conftest import HELPERS
 from lessonlib import _forkrank
 from lessonlib.runprocs import marked_processes
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(
     reason="agents are forked only where ranks are (Linux, no NVIDIA devices, LESSONLIB_FRESH_RANKS unset)",
 )
 
-LINEAGE = Path(__file__).parent / "helpers" / "lineage.py"  # each rank prints its agent's lineage
+LINEAGE = HELPERS / "lineage.py"  # each rank prints its agent's lineage
 
 
 def lineage(run):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import lessonlib
+from conftest import HELPERS, line_of
 from lessonlib import display
 from lessonlib.launchspec import ROOT
 from lessonlib.result import RankOutput, RunResult
@@ -351,7 +352,7 @@ def test_a_real_failed_launch_reads_rank_by_rank(tmp_path):
     2 and 3 exit 0 having printed nothing. Every view leads with the four lines, names the script's own
     lines, shows no absolute environment or checkout path, folds the tracebacks with torch's frames
     grey, and gives the quiet ranks one line, not a column each."""
-    script = Path(shutil.copy(ROOT / "tests" / "helpers" / "fails_in_torch.py", tmp_path))  # outside the checkout
+    script = Path(shutil.copy(HELPERS / "fails_in_torch.py", tmp_path))  # outside the checkout
     ready = tmp_path / "ready"
     ready.mkdir()
     run = lessonlib.launch(script, nproc=4, args=[str(ready)], timeout=120, show="none")
@@ -359,8 +360,7 @@ def test_a_real_failed_launch_reads_rank_by_rank(tmp_path):
     story = run.describe_failure()
     assert not run.ok and run.root_cause is not None and run.root_cause.rank == 0, story
     assert [r.status for r in run.ranks] == ["failed", "terminated", "ok", "ok"], story
-    raises = next(i for i, ln in enumerate(script.read_text().splitlines(), 1) if "RAISES-HERE" in ln)
-    stopped = next(i for i, ln in enumerate(script.read_text().splitlines(), 1) if "STOPPED-HERE" in ln)
+    raises, stopped = line_of(script, "RAISES-HERE"), line_of(script, "STOPPED-HERE")
     expected = [
         f"rank 0 (root cause): FileNotFoundError: [Errno 2] No such file or directory: '{ready}/missing.pt'; "
         f'at {script}:{raises} in <module>: torch.load(os.path.join(ready, "missing.pt"))',

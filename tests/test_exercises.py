@@ -14,21 +14,17 @@ ranks."""
 
 import ast
 import inspect
-import os
 import shutil
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 import lessonlib
-from lessonlib._runfolder import RUN_DIR_VAR
+from conftest import HELPERS
 from lessonlib.code import regions
 from lessonlib.exercises import PRELUDE, load_function
-from lessonlib.launchspec import TORCHRUN_ENV
-from lessonlib.runprocs import run_bounded
-from rankfork import run_ranks
+from rankfork import run_plain, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKERS = sorted(ROOT.glob("lessons/[0-9][0-9]_exercise_*.py"))
@@ -41,17 +37,6 @@ def solution_region(lesson):
     first, last = regions(text)["solution"]
     source = textwrap.dedent("\n".join(text.splitlines()[first : last + 1]))
     return source, [n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
-
-
-def run_python(args, cwd, timeout=TIMEOUT):
-    """Run `python ARGS` in a session of its own; on timeout kill the session (DataLoader workers too)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for name in (*TORCHRUN_ENV, RUN_DIR_VAR):
-        env.pop(name, None)  # world size 1: a group of one, as `python lessons/X.py` makes
-    done = run_bounded([sys.executable, *args], timeout, cwd=cwd, env=env)
-    if done.timed_out:
-        pytest.fail(f"python {' '.join(map(str, args))} ran past {timeout} s:\n{done.output[-4000:]}")
-    return done.returncode, done.output
 
 
 WRONG_ON_RANK_1 = (
@@ -67,7 +52,7 @@ WRONG_ON_RANK_1 = (
 @pytest.fixture
 def toy(tmp_path):
     """tests/helpers/toy_checker.py, copied: a test may edit its copy."""
-    return Path(shutil.copy(ROOT / "tests" / "helpers" / "toy_checker.py", tmp_path))
+    return Path(shutil.copy(HELPERS / "toy_checker.py", tmp_path))
 
 
 def test_the_scaffold_fails_a_wrong_answer_on_every_rank_and_names_the_problem(toy, tmp_path):
@@ -102,7 +87,7 @@ def test_a_checker_that_accepts_a_wrong_answer_fails_its_self_test(toy):
 
 
 def test_at_world_size_1_a_mistake_that_one_rank_cannot_make_is_not_rejected(toy):
-    code, out = run_python([toy], cwd=toy.parent)
+    code, out = run_plain(toy)
     assert code == 0, out[-3000:]
     assert (
         "accepts rank_sum, rejects []" in out

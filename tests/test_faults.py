@@ -37,7 +37,7 @@ import psutil
 import pytest
 
 import lessonlib
-from conftest import kill_processes, processes_with_env
+from conftest import HELPERS, kill_processes, line_of, processes_with_env
 from lessonlib.runprocs import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,16 +48,8 @@ STARTUP = 60.0  # seconds the ranks get to reach the line where a case fails or 
 
 # The rank script. Torch is imported only by the modes that need a process group, so the others start
 # in a fraction of a second and reach their fault well within the bounds even on a loaded machine.
-HELPERS = ROOT / "tests" / "helpers"
 FAULTS = HELPERS / "faults.py"  # the rank script every case launches
 FOLLOWED_UP = ["rank 0 of 2 follows up\n", "rank 1 of 2 follows up\n"]
-
-
-def line_of(marker):
-    """The line number of the rank script's line that carries `marker` (exactly one does)."""
-    hits = [i for i, line in enumerate(FAULTS.read_text().splitlines(), 1) if marker in line]
-    assert len(hits) == 1, f"expected one line with {marker!r}, found {hits}"
-    return hits[0]
 
 
 def describe(proc):
@@ -177,7 +169,7 @@ def test_a_failing_peer_is_the_root_cause_within_seconds(fault_case, how):
         assert re.search(r"First failure \(root cause\): rank 1 exited -9\b.*killed by SIGKILL", text), text
         assert "\n  rank 1 (root cause): killed by SIGKILL (exit -9)\n" in text, text
     # Rank 0 was waiting for it: its line says where, in the script's own code.
-    waited = line_of("# FAULT-PEER-WAIT")
+    waited = line_of(FAULTS, "# FAULT-PEER-WAIT")
     assert re.search(rf"^  rank 0: .*; at .*faults\.py:{waited} in peer_fails: dist\.all_reduce\(", text, re.M), text
     assert seconds_after_rank1 is not None and seconds_after_rank1 < 15, (
         f"launch returned {seconds_after_rank1} s after rank 1 ended (rank 0's pg timeout is 120 s)"
@@ -220,18 +212,12 @@ def test_barrier_only_rank_0_reaches_shows_every_live_ranks_stack(fault_case):
     assert fault_case.readied() == ["rank0.ready", "rank1.ready"], f"the ranks never got stuck:\n{text}"
     assert run.timed_out and [r.status for r in run.ranks] == ["hung", "hung"], text
     assert fault_case.returned_after < BOUND + 10, f"bound {BOUND} s, returned after {fault_case.returned_after:.1f}"
-    assert line_of("# FAULT-RANK0-BARRIER") in stack_lines(run, 0), text
-    assert line_of("# FAULT-NEXT-COLLECTIVE") in stack_lines(run, 1), text
+    barrier, collective = line_of(FAULTS, "# FAULT-RANK0-BARRIER"), line_of(FAULTS, "# FAULT-NEXT-COLLECTIVE")
+    assert barrier in stack_lines(run, 0) and collective in stack_lines(run, 1), text
     # The failure leads with where each rank waited: two different collectives, the bug in one glance.
     lines = text.splitlines()[1:3]
-    assert re.match(
-        rf"  rank 0: hung: .*faults\.py:{line_of('# FAULT-RANK0-BARRIER')} in rank0_barrier: dist\.barrier\(\)$",
-        lines[0],
-    ), text
-    assert re.match(
-        rf"  rank 1: hung: .*faults\.py:{line_of('# FAULT-NEXT-COLLECTIVE')} in rank0_barrier: dist\.all_reduce\(",
-        lines[1],
-    ), text
+    assert re.match(rf"  rank 0: hung: .*faults\.py:{barrier} in rank0_barrier: dist\.barrier\(\)$", lines[0]), text
+    assert re.match(rf"  rank 1: hung: .*faults\.py:{collective} in rank0_barrier: dist\.all_reduce\(", lines[1]), text
     fault_case.finish()
 
 
@@ -250,7 +236,7 @@ def test_a_rank_that_ignores_sigterm_is_killed_at_the_bound(fault_case):
     assert run.timed_out, text
     assert run.ranks[0].error == "RuntimeError: rank 0 fails on purpose", text
     assert run.ranks[1].status == "hung", text  # still running at the bound, SIGTERM notwithstanding
-    assert line_of("# FAULT-SLEEP") in stack_lines(run, 1), text
+    assert line_of(FAULTS, "# FAULT-SLEEP") in stack_lines(run, 1), text
     assert "Before that, rank 0 failed" in text, text
     took = fault_case.returned_after
     assert took < BOUND_NO_TORCH + 8, f"bound {BOUND_NO_TORCH} s, returned after {took:.1f} s"

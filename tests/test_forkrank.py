@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 import lessonlib
+from conftest import HELPERS
 from lessonlib import _forkrank
 
 ROOT = Path(__file__).resolve().parent.parent
-HELPER = ROOT / "tests" / "helpers" / "fresh_state.py"
+HELPER = HELPERS / "fresh_state.py"
 FORKS = _forkrank.wanted({})
 
 pytestmark = pytest.mark.skipif(

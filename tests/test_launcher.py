@@ -20,13 +20,12 @@ import psutil
 import pytest
 
 import lessonlib
-from conftest import processes_with_env
+from conftest import HELPERS, processes_with_env
 from lessonlib import _forkrank
 from lessonlib.launcher import RUN_ID_VAR
 from lessonlib.runprocs import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
-HELPERS = Path(__file__).resolve().parent / "helpers"
 PRINT_LINES = HELPERS / "print_lines.py"
 HANG = HELPERS / "hang.py"
 LAUNCH_LESSON = "lessons/01_launch.py"
@@ -581,9 +580,6 @@ def test_a_run_leaves_nothing_in_the_temporary_folder(tmp_path, launcher):
     )
     assert child.returncode == 0, child.stderr[-3000:]
     assert sorted(p.name for p in own_tmp.iterdir()) == [], "left in the temporary folder"
-
-
-HELPERS = ROOT / "tests" / "helpers"
 
 
 def detached(wait):

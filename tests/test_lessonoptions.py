@@ -106,3 +106,8 @@ def test_values_out_of_range_or_not_numbers_are_problems_before_anything_starts(
 def test_an_optional_number_left_empty_is_not_given(options):
     values = {**options.initial(), "--seed": "  "}
     assert options.args(values) == [] and options.problems(values) == []
+
+
+def test_an_option_of_an_unknown_kind_is_refused():
+    with pytest.raises(ValueError, match="--x: kind must be one of switch, bool, choice, int, float, text; got 'list'"):
+        Option(flag="--x", kind="list", default=None)

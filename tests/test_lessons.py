@@ -45,11 +45,12 @@ from pathlib import Path
 import pytest
 
 import lessonlib
+from conftest import HELPERS, line_of
 from lessonlib import runner
 from lessonlib.launchspec import TORCHRUN_ENV
 from lessonlib.runner import command_of
 from lessonlib.runprocs import run_bounded
-from rankfork import run_ranks
+from rankfork import run_plain, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = sorted(ROOT.glob("lessons/[0-9][0-9]_*.py"))
@@ -154,16 +155,6 @@ def run_command(command, tmp_path):
     return done.returncode, done.output
 
 
-def run_plain(lesson, args=()):
-    """`python lesson.py [args]`, a fresh interpreter with none of torchrun's variables (so lessonlib.setup
-    makes a group of one), from the repository root: bounded, every process it started killed after."""
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
-    done = run_bounded([sys.executable, lesson, *args], TIMEOUT, cwd=ROOT, env=env)
-    if done.timed_out:
-        pytest.fail(f"python {lesson.name} {' '.join(args)} did not finish in {TIMEOUT} s:\n{done.output[-3000:]}")
-    return done.returncode, done.output
-
-
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
 def test_docstring_command_runs(lesson, request, tmp_path):
     # What the README tells readers to paste, run as pasted: real torchrun (or python), no fork server.
@@ -240,14 +231,6 @@ def test_a_lesson_missing_an_import_of_its_own_fails(tmp_path):
     fixed.write_text(body.format(extra="\nimport lessonlib.training"))
     run = run_ranks(fixed, 2, tmp_path / "fixed")
     assert run.ok, run.describe_failure()
-
-
-HELPERS = ROOT / "tests" / "helpers"
-
-
-def line_of(script, text):
-    """The number of the line of `script` that contains `text` (the first such line)."""
-    return next(i for i, line in enumerate(script.read_text().splitlines(), 1) if text in line)
 
 
 def test_forked_ranks_fail_as_a_launch_fails(tmp_path):

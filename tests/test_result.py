@@ -28,7 +28,7 @@ def summary(*failures):
 
     found = {rank: ProcessFailure(rank, 1000 + rank, code, "<N/A>") for rank, code in failures}
     for i, rank in enumerate(found):  # the earliest is the root cause torchrun names
-        object.__setattr__(found[rank], "timestamp", 1_800_000_000 + i)
+        found[rank].timestamp = 1_800_000_000 + i
     return "I1126 10:00:00 1000 torch/distributed/elastic/agent/server/api.py:700] stopping workers\n" + (
         ChildFailedError("lesson.py", found).format_msg()
     )

@@ -16,13 +16,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import kill_processes, processes_with_env
+from conftest import HELPERS, kill_processes, processes_with_env
 from lessonlib import runner
 from lessonlib.launcher import RankOutput
 from lessonlib.runprocs import kill_session, run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
-HANG = Path(__file__).resolve().parent / "helpers" / "hang.py"
+HANG = HELPERS / "hang.py"
 LESSONS = sorted(ROOT.glob("lessons/[0-9][0-9]_*.py"))
 MARK = "COURSE_TESTS_RUNNER_CLI"  # every process a runner test starts carries it, with a value of its own
 RUN_LIMIT = 120  # seconds for one runner command
@@ -262,7 +262,7 @@ def hang_env(tmp_path):
 # they start at once; 40 s leaves torchrun's agent time to start them on a loaded 2-core machine.
 def test_a_timeout_says_so_and_leaves_no_process(hang_env):
     env, ready = hang_env
-    sleeper = ROOT / "tests" / "helpers" / "sleeper.py"
+    sleeper = HELPERS / "sleeper.py"
     code, out, err, seconds = cli("run", str(sleeper), "-n", "2", "--timeout", "40", env=env)
     assert code == runner.EXIT_TIMEOUT, shown(code, out, err)
     assert sorted(os.listdir(ready)) == ["rank0.ready", "rank1.ready"], (
