@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lessonlib.runprocs import run_bounded
+from lessonlib.launcher.processes import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")

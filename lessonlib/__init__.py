@@ -5,7 +5,7 @@
 - `report` hands values from a rank to the notebook that launched it (chapter 1).
 - `show_table` and `reserve_port` are small display and networking helpers (chapter 1).
 - `python -m lessonlib run lessons/X.py -n N` and `python -m lessonlib list` run and list lessons
-  from a terminal (lessonlib.runner, chapter 1).
+  from a terminal (lessonlib.launcher.terminal, chapter 1).
 - `show_code` shows a marked region or a whole function of a lesson file as highlighted code, the
   same in the book, in Jupyter and in VS Code (chapter 1).
 - `plot_ranks` draws what each rank holds, one row per rank (chapter 2).
@@ -18,6 +18,14 @@
 - `lessonlib.digits` has chapter 11's data pipeline (scikit-learn's bundled digits through torchvision
   v2, or MNIST files already on disk), its small CNN and an atomic save; import it from there.
 
+Where the code lives, by the side it serves:
+- at the top, what runs inside a rank: `dist` (setup, teardown, report), `training`, `digits`,
+  `sharding`, `exercises`, `argtypes`;
+- `lessonlib.launcher`: what starts, watches and ends a run and shows its output (`launch`, the
+  terminal runner);
+- `lessonlib.notebook`: what a chapter's cells call (the run panel, `show_code`, `plot_ranks`);
+- `lessonlib.book`: the book's build (the Sphinx extension, reading maps).
+
 Names are imported on first use: every rank and torchrun agent of a launch imports a piece of this
 package, and should not pay for the rest (psutil for the launcher, torch for `setup`).
 """
@@ -25,25 +33,25 @@ package, and should not pay for the rest (psutil for the launcher, torch for `se
 import importlib
 
 _WHERE = {
-    "launch": "launcher",
-    "LaunchError": "result",
-    "RunResult": "result",
-    "RankOutput": "result",
-    "MAX_NPROC": "launchspec",
-    "MAX_NNODES": "launchspec",
+    "launch": "launcher.core",
+    "LaunchError": "launcher.result",
+    "RunResult": "launcher.result",
+    "RankOutput": "launcher.result",
+    "MAX_NPROC": "launcher.spec",
+    "MAX_NNODES": "launcher.spec",
     "setup": "dist",
     "teardown": "dist",
     "DistContext": "dist",
     "report": "dist",
     "pick_backend": "dist",
-    "show_table": "display",
-    "reserve_port": "ports",
-    "show_code": "code",
-    "plot_ranks": "plots",
-    "panel": "runpanel",
-    "RunPanel": "runpanel",
+    "show_table": "launcher.display",
+    "reserve_port": "launcher.ports",
+    "show_code": "notebook.code",
+    "plot_ranks": "notebook.plots",
+    "panel": "notebook.panel",
+    "RunPanel": "notebook.panel",
     "check_function": "exercises",
-    "comma_list": "cli",
+    "comma_list": "argtypes",
 }
 
 __all__ = list(_WHERE)

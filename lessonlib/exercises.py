@@ -30,7 +30,7 @@ def check_function(fn, script, nproc=3, args=(), timeout=120, show="none"):
     The ranks' output is not shown (show="none"): the verdict is the return or the AssertionError.
     Pass show="auto" to watch the ranks while they check.
     """
-    from .launcher import launch
+    from .launcher.core import launch
 
     if not callable(fn) or not hasattr(fn, "__name__"):
         raise TypeError(f"check_function needs a function defined with def, got {fn!r}")

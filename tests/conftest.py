@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lessonlib._runfolder import RUN_ID_VAR
-from lessonlib.runprocs import BOUNDED_VAR, kill_all, marked_processes
+from lessonlib.launcher._runfolder import RUN_ID_VAR
+from lessonlib.launcher.processes import BOUNDED_VAR, kill_all, marked_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = ROOT / "tests" / "helpers"  # the scripts tests launch as ranks, each with a docstring
@@ -38,7 +38,7 @@ SESSION_VAR = "COURSE_TESTS_SESSION"  # not LESSONLIB_*: that prefix is the laun
 # an id of its own, so one worker never mistakes another worker's running launch for a leak.
 SESSION_ID = uuid.uuid4().hex
 os.environ[SESSION_VAR] = SESSION_ID
-LAUNCH_MARKS = ("torch.distributed.run", "torch.distributed.launch", "lessonlib._rank_main")
+LAUNCH_MARKS = ("torch.distributed.run", "torch.distributed.launch", "lessonlib.launcher._rank_main")
 LEAK_GRACE = 2.0  # seconds a process that was just killed gets to finish dying before it counts as leaked
 
 

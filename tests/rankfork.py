@@ -1,10 +1,10 @@
 """Rank processes for the lesson tests, forked from a server that has already imported torch.
 
 A lesson test at world size N starts N real processes that meet through real gloo, each entering
-through lessonlib._rank_main exactly as a rank of `lessonlib.launch` does (its output files, its start
+through lessonlib.launcher._rank_main exactly as a rank of `lessonlib.launch` does (its output files, its start
 and exit records, its stack dump on SIGUSR1 or SIGTERM), with the environment torchrun and the
 launcher give a rank; the test then reads the run folder with the launcher's own
-`lessonlib.result.read_result`, so a failure reads as it does in the book. What this module saves is
+`lessonlib.launcher.result.read_result`, so a failure reads as it does in the book. What this module saves is
 the imports in each of them: torch (about 2 CPU-seconds), torch._dynamo (1.5 more, pulled in by the
 first optimizer any training lesson builds), torchmetrics, torchvision: third-party packages only,
 never lessonlib, whose modules each rank imports as the lesson asks (a fresh start). The lesson tests
@@ -14,7 +14,7 @@ with an import per rank and 333 with the imports preloaded.
 How: one multiprocessing fork server per test worker imports torch once (with OMP_NUM_THREADS=1
 already set, as torchrun sets it, since OpenMP reads it when torch loads). Each rank is then a fork
 of that server which starts a session of its own, takes the exact environment the test gives it,
-draws fresh random seeds (as a new process would), and runs `python -m lessonlib._rank_main SCRIPT`
+draws fresh random seeds (as a new process would), and runs `python -m lessonlib.launcher._rank_main SCRIPT`
 in-process. What differs from a launch is only the torchrun agent, which is not there: the test
 hosts the rendezvous store and watches the ranks itself (`run_ranks`, which the lesson and exercise
 tests call; with plain=True it is `python lessons/X.py`: one rank, none of torchrun's variables).
@@ -34,10 +34,10 @@ from pathlib import Path
 import pytest
 
 import lessonlib
-from lessonlib.launcher import _environment as launch_environment
-from lessonlib.launchspec import TORCHRUN_ENV, check_launch
-from lessonlib.result import Ending, read_result
-from lessonlib.runprocs import RankWatch, dump_stacks_then_kill, run_bounded
+from lessonlib.launcher.core import _environment as launch_environment
+from lessonlib.launcher.processes import RankWatch, dump_stacks_then_kill, run_bounded
+from lessonlib.launcher.result import Ending, read_result
+from lessonlib.launcher.spec import TORCHRUN_ENV, check_launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = Path(HERE).parent
@@ -85,7 +85,7 @@ def _preloaded():
 
 
 def _run_rank(script, args, cwd, env):
-    """In the forked rank: a session of its own, env exactly as given, then lessonlib._rank_main."""
+    """In the forked rank: a session of its own, env exactly as given, then lessonlib.launcher._rank_main."""
     os.setsid()  # so the test can kill the rank with every process it started (DataLoader workers)
     # A process forked from the server inherits "forkserver" as its start method; a fresh `python`
     # has the platform's default (DataLoader workers pickle nothing under fork, everything otherwise).
@@ -101,13 +101,13 @@ def _run_rank(script, args, cwd, env):
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    # As `python -m lessonlib._rank_main SCRIPT ARGS` sets it: the current directory first, then
+    # As `python -m lessonlib.launcher._rank_main SCRIPT ARGS` sets it: the current directory first, then
     # PYTHONPATH; not the test folder (the server's PYTHONPATH, so that it could import PRELOAD).
     # _rank_main then puts the script's folder first, as `python SCRIPT` would.
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [cwd, *extra] + [p for p in sys.path if p not in (cwd, HERE, "", *extra)]
-    sys.argv = [os.path.join(cwd, "lessonlib", "_rank_main.py"), script, *args]
-    runpy.run_module("lessonlib._rank_main", run_name="__main__", alter_sys=True)
+    sys.argv = [os.path.join(cwd, "lessonlib", "launcher", "_rank_main.py"), script, *args]
+    runpy.run_module("lessonlib.launcher._rank_main", run_name="__main__", alter_sys=True)
 
 
 def start_rank(script, args, cwd, env):
@@ -135,9 +135,9 @@ FAILURE_GRACE = 5.0  # seconds the other ranks get after one failed, as torchrun
 
 
 def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT, plain=False):
-    """The lesson at `world_size` ranks, each entering through lessonlib._rank_main with the environment
+    """The lesson at `world_size` ranks, each entering through lessonlib.launcher._rank_main with the environment
     lessonlib.launch gives it, bounded; returns the RunResult, read from the run folder by the
-    launcher's own code (lessonlib.result.read_result), so a failure reads as it would in the book.
+    launcher's own code (lessonlib.launcher.result.read_result), so a failure reads as it would in the book.
     `plain=True` (world size 1 only) is `python lessons/X.py`: none of torchrun's variables and no store,
     so lessonlib.setup makes a group of one as it does for a reader's plain run.
 

@@ -1,4 +1,4 @@
-"""lessonlib._agentserver: a launch forks its torchrun agent from one server per launching process, which
+"""lessonlib.launcher._agentserver: a launch forks its torchrun agent from one server per launching process, which
 has imported torch once; a launch with an environment of its own gets a fresh agent; the server ends with
 the process that started it. (A killed kernel's server, agent and ranks: tests/test_faults.py.)"""
 
@@ -13,8 +13,8 @@ import pytest
 
 import lessonlib
 from conftest import HELPERS
-from lessonlib import _forkrank
-from lessonlib.runprocs import marked_processes
+from lessonlib.launcher import _forkrank
+from lessonlib.launcher.processes import marked_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,7 +39,7 @@ def test_launches_fork_their_agents_from_one_server(monkeypatch):
     for lines in runs:
         agent, server, agent_cmd, server_cmd = re.match(r"(\d+) (\d+) (.*) \| (.*)", lines[0]).groups()
         assert lines[1] == lines[0], "both ranks share one agent"
-        assert "lessonlib._agentserver" in agent_cmd and "lessonlib._agentserver" in server_cmd, lines
+        assert "lessonlib.launcher._agentserver" in agent_cmd and "lessonlib.launcher._agentserver" in server_cmd, lines
         servers.add(int(server))
     assert len(servers) == 1, f"each launch started a server of its own: {runs}"
     assert runs[0] != runs[1], "the two launches had one agent"
@@ -49,7 +49,7 @@ def test_a_launch_with_an_environment_of_its_own_gets_a_fresh_agent():
     script = LINEAGE
     lines = lineage(lessonlib.launch(script, nproc=2, timeout=120, show="none", env={"SOME_SETTING": "1"}))
     agent_cmd, parent_cmd = re.match(r"\d+ \d+ (.*) \| (.*)", lines[0]).groups()
-    assert "lessonlib._agent_main" in agent_cmd and "lessonlib._agentserver" not in parent_cmd, lines
+    assert "lessonlib.launcher._agent_main" in agent_cmd and "lessonlib.launcher._agentserver" not in parent_cmd, lines
 
 
 def test_the_forked_agent_prints_what_a_fresh_one_does(tmp_path, monkeypatch):
@@ -71,7 +71,7 @@ def test_the_server_ends_with_the_process_that_started_it(tmp_path):
         "import lessonlib, psutil, os\n"
         f"lessonlib.launch({str(ROOT / 'lessons' / '01_launch.py')!r}, nproc=2, timeout=120, show='none')"
         ".raise_for_status()\n"
-        "print(sum('lessonlib._agentserver' in ' '.join(c.cmdline()) for c in psutil.Process().children()))\n"
+        "print(sum('lessonlib.launcher._agentserver' in ' '.join(c.cmdline()) for c in psutil.Process().children()))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code],

@@ -1,7 +1,7 @@
 """The book: notebooks are stored without outputs; every chapter executes, and the book builds.
 
 CI runs the reader's `jupyter-book build book` (warnings as errors) into an empty folder, so every
-chapter executes exactly once, several at a time (lessonlib.bookdeps), and the HTML is built from
+chapter executes exactly once, several at a time (lessonlib.book.rebuild), and the HTML is built from
 those outputs. When a cell fails, the test names the notebook, the cell and, through lessonlib's
 LaunchError, the rank. That work is done once per session by the fixture `built_book` (tests/conftest.py), which calls
 `execute_and_build` here: the book test reports its outcome, and the browser tests
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from lessonlib.runprocs import BOUNDED_VAR, kill_all, marked_environment, marked_processes, run_bounded
+from lessonlib.launcher.processes import BOUNDED_VAR, kill_all, marked_environment, marked_processes, run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
 # The whole build, every chapter executed two at a time, then the HTML; each chapter also has its own
-# bound (lessonlib.bookdeps: 2400 s) and each cell execute.timeout (_config.yml). A bound against a hang,
+# bound (lessonlib.book.rebuild: 2400 s) and each cell execute.timeout (_config.yml). A bound against a hang,
 # not a target: the build took ~14 minutes beside the rest of the suite on 2 busy cores before the
 # chapters' added asserts and the Start page, and over 25 minutes after them at load 9 (being reduced).
 BUILD_TIMEOUT = 4300
@@ -64,9 +64,9 @@ def build_book(book_dir, timeout=BUILD_TIMEOUT, output=None, fresh=True):
 
 
 def explain_failure(log):
-    """What a failed build log says went wrong: the chapters that failed to execute (lessonlib.bookdeps
+    """What a failed build log says went wrong: the chapters that failed to execute (lessonlib.book.rebuild
     names the notebook, the cell and its error), else the Sphinx warnings, else the log's end."""
-    parts = re.findall(r"^Extension error \(lessonlib\.bookdeps\):\n(.*?)(?=^Traceback|\Z)", log, re.S | re.M)
+    parts = re.findall(r"^Extension error \(lessonlib\.book\.rebuild\):\n(.*?)(?=^Traceback|\Z)", log, re.S | re.M)
     warnings = [ln for ln in log.splitlines() if "WARNING:" in ln or "ERROR:" in ln]
     if warnings:
         parts.append("Sphinx warnings (treated as errors):\n" + "\n".join(warnings[:30]))
@@ -115,7 +115,7 @@ def execute_and_build(folder):
 
     The reader's own command, `jupyter-book build book` with warnings as errors, the course's
     _config.yml and an empty cache (--path-output: nothing from an earlier build is reused), so every
-    chapter executes: lessonlib.bookdeps runs them BOOK_JOBS at a time (2 on CI's 2 cores) and leaves
+    chapter executes: lessonlib.book.rebuild runs them BOOK_JOBS at a time (2 on CI's 2 cores) and leaves
     what it executed, and in how long, in _build/lessonlib-execution.json. When a chapter fails, the
     build stops and that report names the notebook, the cell and the error.
     """
@@ -157,14 +157,14 @@ def test_book_builds_and_executes_every_chapter(built_book, capsys):
 
 
 def mini_book(folder, name, sources):
-    """A one-chapter book in `folder`, configured as the course's (lessonlib.bookdeps executes it), whose
+    """A one-chapter book in `folder`, configured as the course's (lessonlib.book.rebuild executes it), whose
     notebook `name` has one code cell per source. Returns the book's folder."""
     (folder / "_config.yml").write_text(
         textwrap.dedent(f"""
         title: {name}
         only_build_toc_files: true
         execute: {{execute_notebooks: cache, timeout: 120, allow_errors: false, run_in_temp: false}}
-        sphinx: {{extra_extensions: [lessonlib.bookdeps],
+        sphinx: {{extra_extensions: [lessonlib.book.rebuild],
                  config: {{nb_execution_raise_on_error: true, nb_execution_show_tb: true}}}}
     """)
     )
@@ -213,7 +213,7 @@ def test_a_book_build_stopped_mid_chapter_leaves_no_process_behind(tmp_path, sig
     cancelling a job, `kill`): the build kills every executor, with its kernel and the kernel's launch,
     and removes its scratch folder before it ends. SIGKILL (nothing can be run in the build itself): the
     executor is told by Linux (PR_SET_PDEATHSIG) and shuts its kernel down, and the launch ends with
-    the kernel (lessonlib._lifeline). Either way, within 30 s no process the build started is left."""
+    the kernel (lessonlib.launcher._lifeline). Either way, within 30 s no process the build started is left."""
     sleeper = tmp_path / "sleeper.py"
     sleeper.write_text(SLEEPER)
     asleep = tmp_path / "asleep"  # the rank is up (forked ranks show the agent server's command line)

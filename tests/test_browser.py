@@ -203,7 +203,7 @@ PAGE_FACTS = r"""(root) => {
     return {language, tokens: tokens.length, text: pre.textContent.trim().slice(0, 80),
             coloured: tokens.some(t => getComputedStyle(t).color !== plain)};
   });
-  // Each run view (lessonlib.display): its head, the line per rank of a failed run, its columns (ranks
+  // Each run view (lessonlib.launcher.display): its head, the line per rank of a failed run, its columns (ranks
   // that printed something), the ranks named on its one line for those that printed nothing, its folded
   // tracebacks, and any absolute path of the build machine it shows (an environment's, the checkout's).
   const runs = Array.from(document.querySelectorAll(".lessonlib-run")).map(run => {

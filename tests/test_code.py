@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import lessonlib
-from lessonlib.code import MARKER, Code, regions
-from lessonlib.runprocs import run_bounded
+from lessonlib.launcher.processes import run_bounded
+from lessonlib.notebook.code import MARKER, Code, regions
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb"))
@@ -205,21 +205,21 @@ def _notebook(path, kernel, markdown, code, tags=()):
 
 @pytest.mark.timeout(600)
 def test_a_rebuild_executes_exactly_the_chapters_whose_code_changed(tmp_path):
-    """A small book with the course's execution settings (_config.yml's `execute` block, lessonlib.bookdeps)
+    """A small book with the course's execution settings (_config.yml's `execute` block, lessonlib.book.rebuild)
     and three chapters: one shows a region of a lesson, one runs another lesson, one uses no lesson.
     Each execution of a chapter is recorded in a file. Incremental builds (no --all), as a reader makes
     them: a cold build executes all three (side by side); nothing changed, or prose edited, executes
     none; a lesson edited executes exactly the chapter that uses it, and its page shows the new code or
     output; a code cell edited executes its chapter only. The shown code is highlighted like any block."""
     config = (ROOT / "_config.yml").read_text()
-    assert "lessonlib.bookdeps" in config, "_config.yml no longer loads lessonlib.bookdeps"
+    assert "lessonlib.book.rebuild" in config, "_config.yml no longer loads lessonlib.book.rebuild"
     execute = re.search(r"^execute:\n(?:[ #].*\n|\n)+", config, re.M).group(0)  # the course's own settings
     assert re.search(r"^\s*execute_notebooks: cache\b", execute, re.M), execute
     (tmp_path / "_config.yml").write_text(
         "title: demo\nonly_build_toc_files: true\n"
         + execute
         + textwrap.dedent("""
-        sphinx: {extra_extensions: [lessonlib.bookdeps], config: {nb_execution_raise_on_error: true}}
+        sphinx: {extra_extensions: [lessonlib.book.rebuild], config: {nb_execution_raise_on_error: true}}
     """)
     )
     book = tmp_path / "book"
@@ -297,9 +297,9 @@ def test_a_rebuild_executes_exactly_the_chapters_whose_code_changed(tmp_path):
 @pytest.mark.unit
 def test_a_chapter_that_uses_lessonlib_depends_on_all_of_it():
     """An edit to any lessonlib module re-executes every chapter that imports lessonlib (and no other)."""
-    from lessonlib.bookdeps import dependencies
+    from lessonlib.book.rebuild import dependencies
 
-    modules = {p.resolve() for p in (ROOT / "lessonlib").glob("*.py")}
+    modules = {p.resolve() for p in (ROOT / "lessonlib").rglob("*.py")}
     chapter = ROOT / "book" / "02_collectives.ipynb"
     found = set(dependencies(chapter.read_text(), chapter.parent))
     assert modules <= found, sorted(modules - found)

@@ -1,7 +1,7 @@
 """How a run is told: one line per rank first, tracebacks folded, short paths, no empty columns, once.
 
 Unit tests on made-up RunResults (they run in a second), then one real 4-rank launch of a script that
-fails inside torch, read through the same views. The views are lessonlib.display's; the HTML here is
+fails inside torch, read through the same views. The views are lessonlib.launcher.display's; the HTML here is
 what the book, JupyterLab and VS Code show (tests/test_browser.py looks at it in a real browser).
 """
 
@@ -16,9 +16,9 @@ import pytest
 
 import lessonlib
 from conftest import HELPERS, line_of
-from lessonlib import display
-from lessonlib.launchspec import ROOT
-from lessonlib.result import RankOutput, RunResult
+from lessonlib.launcher import display
+from lessonlib.launcher.result import RankOutput, RunResult
+from lessonlib.launcher.spec import ROOT
 
 SITE = "/opt/reader/venv/lib/python3.11/site-packages"  # another machine's environment: any prefix goes
 REPO = f"{ROOT}/"
@@ -55,7 +55,7 @@ def dump_of(script):
           File "{script}", line 5 in wait
           File "{script}", line 8 in <module>
           File "<frozen runpy>", line 88 in _run_code
-          File "{ROOT}/lessonlib/_rank_main.py", line 71 in main
+          File "{ROOT}/lessonlib/launcher/_rank_main.py", line 71 in main
         """)
 
 
@@ -293,8 +293,8 @@ import threading
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 from traitlets.config import Config
-from lessonlib.display import HtmlLiveView
-from lessonlib.result import RankOutput, RunResult
+from lessonlib.launcher.display import HtmlLiveView
+from lessonlib.launcher.result import RankOutput, RunResult
 
 config = Config()
 config.HistoryManager.enabled = False

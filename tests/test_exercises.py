@@ -22,8 +22,8 @@ import pytest
 
 import lessonlib
 from conftest import HELPERS
-from lessonlib.code import regions
 from lessonlib.exercises import PRELUDE, load_function
+from lessonlib.notebook.code import regions
 from rankfork import run_plain, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -38,7 +38,7 @@ import pytest
 
 import lessonlib
 from conftest import HELPERS, kill_processes, line_of, processes_with_env
-from lessonlib.runprocs import run_bounded
+from lessonlib.launcher.processes import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -327,7 +327,7 @@ def running_kernel(case, env=None):
     kc.start_channels()
     try:
         kc.wait_for_ready(timeout=60)
-        kc.execute_interactive("import lessonlib, lessonlib.launcher", timeout=60)  # not part of any bound
+        kc.execute_interactive("import lessonlib, lessonlib.launcher.core", timeout=60)  # not part of any bound
         yield km, kc
     finally:
         kc.stop_channels()
@@ -350,7 +350,7 @@ def test_a_cell_timeout_interrupts_the_launch_and_the_next_cell_launches_again(f
     from nbclient import NotebookClient
 
     hang = KERNEL_LAUNCH.format(script=str(fault_case.script), args=["sleep", "--grandchild"], env=fault_case.env())
-    after = f"""from lessonlib.runprocs import marked_processes
+    after = f"""from lessonlib.launcher.processes import marked_processes
 left = marked_processes("TEST_TAG", {fault_case.tag!r})
 assert left == [], f"left after the interrupt: {{left}}"
 run = lessonlib.launch({str(fault_case.follow_up)!r}, nproc=2, timeout=90, show="none", env={fault_case.env()!r})
@@ -359,7 +359,7 @@ print("launched again:", [r.stdout for r in run.ranks])
 """
     nb = nbformat.v4.new_notebook()
     nb.cells = [
-        nbformat.v4.new_code_cell("import lessonlib, lessonlib.launcher"),
+        nbformat.v4.new_code_cell("import lessonlib, lessonlib.launcher.core"),
         nbformat.v4.new_code_cell(hang, metadata={"test_timeout": CELL_TIMEOUT}),
         nbformat.v4.new_code_cell(after),
     ]
@@ -403,7 +403,7 @@ def _seconds(start, end):
 def kernel_and_launch_env(case, agent):
     """A fresh agent: the case's variables given to the launch (env=...). A forked one: given to the
     kernel instead, so that the launch has no env of its own and forks its agent from the kernel's agent
-    server (lessonlib._agentserver), which then carries the case's tag too."""
+    server (lessonlib.launcher._agentserver), which then carries the case's tag too."""
     return (None, case.env()) if agent == "fresh" else (case.env(), None)
 
 
@@ -412,7 +412,7 @@ def kernel_and_launch_env(case, agent):
 def test_a_killed_kernel_takes_the_agent_and_every_rank_with_it(fault_case, agent):
     """SIGKILL the kernel while its launch runs: nobody is left to run the launcher's cleanup, so the
     torchrun agent (SIGTERM when its parent dies) and the ranks (SIGKILL when theirs does) must go by
-    themselves (lessonlib._lifeline), within a few seconds; and so must the agent server, where the
+    themselves (lessonlib.launcher._lifeline), within a few seconds; and so must the agent server, where the
     agent was forked from one."""
     kernel_env, launch_env = kernel_and_launch_env(fault_case, agent)
     with running_kernel(fault_case, kernel_env) as (km, kc):
@@ -424,11 +424,11 @@ def test_a_killed_kernel_takes_the_agent_and_every_rank_with_it(fault_case, agen
         expected = 3 if agent == "fresh" else 5
         assert len(running) == expected, f"expected {expected}: {[describe(p) for p in running]}"
         if agent == "forked":
-            assert sum("lessonlib._agentserver" in " ".join(p.cmdline()) for p in running) == 4, running
+            assert sum("lessonlib.launcher._agentserver" in " ".join(p.cmdline()) for p in running) == 4, running
         os.kill(km.provisioner.pid, signal.SIGKILL)
         left = fault_case.left_after(KILLED_KERNEL_BOUND)
         assert left == [], f"alive {KILLED_KERNEL_BOUND} s after the kernel was killed: {[describe(p) for p in left]}"
-    fault_case.finish()  # the run folder too: the agent removed it (lessonlib._agent_main)
+    fault_case.finish()  # the run folder too: the agent removed it (lessonlib.launcher._agent_main)
 
 
 @pytest.mark.timeout(150)

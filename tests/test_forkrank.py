@@ -1,4 +1,4 @@
-"""lessonlib._forkrank: a launch's ranks are forked from the torchrun agent, torch already imported, and
+"""lessonlib.launcher._forkrank: a launch's ranks are forked from the torchrun agent, torch already imported, and
 each is what a fresh `python` rank would be in what it computes and prints. One helper script reports
 its own process from inside both kinds of rank (LESSONLIB_FRESH_RANKS=1 asks for fresh ones), and the
 reports must match, with the fork's known differences (its command line, its parent's imports) named."""
@@ -10,7 +10,7 @@ import pytest
 
 import lessonlib
 from conftest import HELPERS
-from lessonlib import _forkrank
+from lessonlib.launcher import _forkrank
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPER = HELPERS / "fresh_state.py"
@@ -56,10 +56,13 @@ def test_a_forked_rank_starts_as_a_fresh_one_would(both):
         assert a.pop("parent is the agent") and b.pop("parent is the agent")
         # The one difference chapter 1 names: `ps` shows a forked agent and its ranks with the command line
         # of the agent server they were forked from.
-        assert a.pop("command line") == "lessonlib._agentserver" and b.pop("command line") == "lessonlib._rank_main"
+        assert (
+            a.pop("command line") == "lessonlib.launcher._agentserver"
+            and b.pop("command line") == "lessonlib.launcher._rank_main"
+        )
         assert a == b, f"rank {rank}: forked {a}\n  fresh {b}"
         assert (
-            a["lessonlib modules"] == ["lessonlib._lifeline", "lessonlib._runfolder"]
+            a["lessonlib modules"] == ["lessonlib.launcher._lifeline", "lessonlib.launcher._runfolder"]
             and a["session leader"]
             and a["stdout write_through"]
         )

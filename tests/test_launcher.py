@@ -21,9 +21,9 @@ import pytest
 
 import lessonlib
 from conftest import HELPERS, processes_with_env
-from lessonlib import _forkrank
-from lessonlib.launcher import RUN_ID_VAR
-from lessonlib.runprocs import run_bounded
+from lessonlib.launcher import _forkrank
+from lessonlib.launcher.core import RUN_ID_VAR
+from lessonlib.launcher.processes import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 PRINT_LINES = HELPERS / "print_lines.py"
@@ -485,7 +485,7 @@ def test_mpi_backend_is_refused_naming_what_is_allowed(monkeypatch):
 def test_launch_description_is_checked_and_frozen(tmp_path):
     import dataclasses
 
-    from lessonlib.launchspec import check_launch
+    from lessonlib.launcher.spec import check_launch
 
     script = tmp_path / "x.py"
     script.write_text("print('x')\n")
@@ -511,7 +511,7 @@ def test_launch_description_is_checked_and_frozen(tmp_path):
 
 @pytest.mark.unit
 def test_run_folder_records_round_trip(tmp_path):
-    from lessonlib import _runfolder as runfolder
+    from lessonlib.launcher import _runfolder as runfolder
 
     folder = str(tmp_path)
     assert runfolder.read_start(folder, 0) is None and runfolder.read_exit(folder, 0) is None
@@ -543,9 +543,9 @@ RUN_FOLDER_NAMES = (
 
 @pytest.mark.unit
 def test_run_folder_protocol_is_spelled_once():
-    """The run folder's variable and file names live in lessonlib/_runfolder.py; every other side imports them."""
+    """The run folder's variable and file names live in launcher/_runfolder.py; every other side imports them."""
     sides = [
-        *sorted((ROOT / "lessonlib").glob("*.py")),
+        *sorted((ROOT / "lessonlib").rglob("*.py")),
         *(ROOT / "tests" / name for name in ("conftest.py", "rankfork.py", "test_lessons.py")),
     ]
     spelled = [
@@ -555,7 +555,7 @@ def test_run_folder_protocol_is_spelled_once():
         for name in RUN_FOLDER_NAMES
         if name in path.read_text()
     ]
-    assert spelled == [], f"run-folder names spelled outside lessonlib/_runfolder.py: {spelled}"
+    assert spelled == [], f"run-folder names spelled outside lessonlib/launcher/_runfolder.py: {spelled}"
 
 
 @pytest.mark.timeout(240)
@@ -607,7 +607,7 @@ def test_run_bounded_leaves_no_process_whether_the_command_finishes_or_hangs(wai
 def test_run_bounded_reaches_a_bounded_command_inside_a_bounded_command():
     """The marks nest: killing the outer command at its deadline also ends what an inner run_bounded
     (with a longer bound) had started."""
-    inner = f"from lessonlib.runprocs import run_bounded\nrun_bounded({detached(600)!r}, 600)"
+    inner = f"from lessonlib.launcher.processes import run_bounded\nrun_bounded({detached(600)!r}, 600)"
     tag = uuid.uuid4().hex  # this test's processes only: others running beside it sleep(600) too
     done = run_bounded([sys.executable, "-c", inner], 8, env={**os.environ, "TEST_TAG": tag})
     assert done.timed_out, done
@@ -619,7 +619,7 @@ def test_run_bounded_reaches_a_bounded_command_inside_a_bounded_command():
 def test_sigterm_to_a_process_in_run_bounded_kills_the_command_first():
     """A process waiting in run_bounded and sent SIGTERM (pytest stopped by CI, `kill`) first kills the
     command and all it started (a process in a session of its own here), then ends as SIGTERM ends it."""
-    code = f"from lessonlib.runprocs import run_bounded\nrun_bounded({detached(600)!r}, 600)"
+    code = f"from lessonlib.launcher.processes import run_bounded\nrun_bounded({detached(600)!r}, 600)"
     waiter = subprocess.Popen(
         [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True
     )
@@ -673,7 +673,7 @@ def test_a_rank_that_exits_0_early_is_named_though_only_its_peers_failed():
 
 @pytest.mark.parametrize("how", ["block ends", "bound fires"])
 def test_started_kills_everything_it_started(how):
-    from lessonlib.runprocs import started
+    from lessonlib.launcher.processes import started
 
     with started(detached(600), timeout=3 if how == "bound fires" else 60) as job:
         child = job.poll_until(lambda: job.output().split() and int(job.output().split()[0]), timeout=30)
@@ -697,11 +697,11 @@ def test_run_bounded_types_its_input_and_a_command_that_never_reads_it_still_end
 
 @pytest.mark.unit
 def test_the_agents_method_name_is_torchs_get_method_name():
-    """The agent's stand-in for torch's dynamic_rendezvous.get_method_name (lessonlib._agent_main, a
+    """The agent's stand-in for torch's dynamic_rendezvous.get_method_name (lessonlib.launcher._agent_main, a
     speed fix) names the same function at every depth, and the same "no_method_name" past the stack."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    from lessonlib._agent_main import get_method_name as method_name
+    from lessonlib.launcher._agent_main import get_method_name as method_name
 
     def record(name_of, depth):  # as torch calls it: from a method that records an event
         return name_of() if depth is None else name_of(depth)

@@ -1,6 +1,6 @@
-"""lessonlib.lessonoptions: a lesson's options as the run panel edits them, with no widget and no kernel.
+"""lessonlib.notebook.options: a lesson's options as the run panel edits them, with no widget and no kernel.
 
-The options come from a real argparse parser, described by lessonlib._argspec.describe in this process
+The options come from a real argparse parser, described by lessonlib.notebook._argspec.describe in this process
 (the panel runs the same function in a fresh one, on the lesson itself): one option of every kind.
 """
 
@@ -9,8 +9,8 @@ import argparse
 import pytest
 
 import lessonlib
-from lessonlib._argspec import describe
-from lessonlib.lessonoptions import LessonOptions, Option
+from lessonlib.notebook._argspec import describe
+from lessonlib.notebook.options import LessonOptions, Option
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,7 @@
 World size 1 runs the lesson the way the README's second command does, `python lessons/X.py`: with
 none of torchrun's variables, so lessonlib.setup makes a process group of one rank (forked like the
 ranks below; a script that is only ever run with `python` runs as that fresh command). World sizes 2
-to 4 start one process per rank, each entering through lessonlib._rank_main (the
+to 4 start one process per rank, each entering through lessonlib.launcher._rank_main (the
 rank wrapper every launch uses: output files, start and exit records, a stack dump when asked) with
 the environment lessonlib.launch and torchrun give it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT on a reserved port, the run folder, ...), and the run folder is read into a RunResult by
@@ -46,10 +46,10 @@ import pytest
 
 import lessonlib
 from conftest import HELPERS, line_of
-from lessonlib import runner
-from lessonlib.launchspec import TORCHRUN_ENV
-from lessonlib.runner import command_of
-from lessonlib.runprocs import run_bounded
+from lessonlib.launcher import terminal
+from lessonlib.launcher.processes import run_bounded
+from lessonlib.launcher.spec import TORCHRUN_ENV
+from lessonlib.launcher.terminal import command_of
 from rankfork import run_plain, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,13 +98,13 @@ BOOK_RUNS = book_runs()
 
 
 def kind_of(lesson):
-    """'torchrun', 'spawn' or 'single', from the lesson's command (lessonlib.runner's reading of it)."""
-    return runner.kind_of(command_of(lesson))
+    """'torchrun', 'spawn' or 'single', from the lesson's command (lessonlib.launcher.terminal's reading of it)."""
+    return terminal.kind_of(command_of(lesson))
 
 
 def command_world_size(lesson):
     """The world size the lesson's command runs it at (1 when it names none)."""
-    return runner.nproc_of(command_of(lesson)) or 1
+    return terminal.nproc_of(command_of(lesson)) or 1
 
 
 def test_lessons_are_found():
@@ -132,7 +132,7 @@ PROGRAMS = {"python": sys.executable, "torchrun": str(Path(sys.executable).with_
 def run_command(command, tmp_path):
     """Run a shell command line as a reader pastes it at the repository root with .venv activated:
     `python` and `torchrun` are the ones next to this interpreter. Bounded, and every process it
-    started killed at the end (lessonlib.runprocs.run_bounded: torchrun puts its workers in sessions of
+    started killed at the end (lessonlib.launcher.processes.run_bounded: torchrun puts its workers in sessions of
     their own, so killing the command's process group alone would not reach them).
 
     Nothing else differs from a reader's shell: a one-node torchrun with no --master-port picks a free

@@ -1,6 +1,6 @@
 """Chapter 12's NCCL column quotes torch's own words: each quoted line must still be in the installed torch.
 
-lessonlib.ncclmessages pairs each symptom's gloo text with NCCL's, quoted from a GPU run of
+lessonlib.notebook.ncclmessages pairs each symptom's gloo text with NCCL's, quoted from a GPU run of
 lessons/12_nccl.py or from torch's source, and names the file of the installed torch (or the NCCL and
 CUDA libraries its wheel installs) that holds the fixed parts of each quote. Here those parts are looked up
 in those files, byte for byte, so an upgrade that rewords a message fails this test instead of leaving the
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lessonlib import ncclmessages
+from lessonlib.notebook import ncclmessages
 
 pytestmark = pytest.mark.unit
 

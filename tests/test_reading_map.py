@@ -1,4 +1,4 @@
-"""Core sections, deep dives and reading times (lessonlib.readingmap): one style across the book.
+"""Core sections, deep dives and reading times (lessonlib.book.readingmap): one style across the book.
 
 Every `## ` section of every chapter has a label `*Core · N min*`, `*Deep dive · N min*` or
 `*Exercise · N min*` under its heading, N close to what its text and code take to read; every chapter
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from lessonlib import readingmap
+from lessonlib.book import readingmap
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("chapter", readingmap.chapters(), ids=lambda p: p.stem)
 def test_every_section_is_labelled_and_the_map_agrees(chapter):
     bad = readingmap.problems(chapter)
-    assert not bad, "\n".join(bad) + "\n(python -m lessonlib.readingmap rewrites the minutes and the maps)"
+    assert not bad, "\n".join(bad) + "\n(python -m lessonlib.book.readingmap rewrites the minutes and the maps)"
 
 
 @pytest.mark.unit

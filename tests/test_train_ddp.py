@@ -2,14 +2,14 @@
 
 Run as a reader runs them, with the command the Start page gives: real torchrun (--standalone, so
 concurrent tests never share a port), real gloo, every run bounded and every process it started killed
-after (lessonlib.runprocs.run_bounded). Specified here:
+after (lessonlib.launcher.processes.run_bounded). Specified here:
 
 - both scripts import torch, torchvision and the standard library only, never lessonlib;
 - train_ddp.py trains at 1 (plain `python`), 2 and 3 ranks and reaches the accuracy it should;
 - stopped after epoch 0 and started again with the same command, it resumes from its checkpoint and
   ends with exactly the weights and optimizer state of a run that never stopped (plain and --amp);
 - the Start page's middle script (train_ddp.py with the mixed-precision changes taken out,
-  lessonlib.scriptdiff) is a working script whose weights equal train_ddp.py's without --amp, bit for bit;
+  lessonlib.notebook.scriptdiff) is a working script whose weights equal train_ddp.py's without --amp, bit for bit;
 - --data mnist reads MNIST's files from --data-dir without downloading (files in MNIST's format are
   written here), and bad options are refused before any process group starts.
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lessonlib.runprocs import run_bounded
-from lessonlib.scriptdiff import AMP_LINES, split_changes
+from lessonlib.launcher.processes import run_bounded
+from lessonlib.notebook.scriptdiff import AMP_LINES, split_changes
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT, ONE = ROOT / "lessons" / "train_ddp.py", ROOT / "lessons" / "train_one.py"
@@ -110,7 +110,7 @@ def test_resume_with_amp_equals_a_run_that_never_stopped(tmp_path):
 
 def test_resume_equals_a_run_that_never_stopped_and_the_start_pages_middle_script_equals_train_ddp(tmp_path):
     """Without --amp. Then the Start page's middle script (train_ddp.py with the mixed-precision changes
-    taken out by lessonlib.scriptdiff) is run the same way: its weights equal train_ddp.py's, bit for bit."""
+    taken out by lessonlib.notebook.scriptdiff) is run the same way: its weights equal train_ddp.py's, bit for bit."""
     whole = stop_resume_and_compare(tmp_path, [])
     _, middle, _ = split_changes(ONE.relative_to(ROOT), SCRIPT.relative_to(ROOT))
     left = [line for line in middle.text.splitlines() if AMP_LINES.search(line)]

@@ -14,7 +14,7 @@ Debug Adapter Protocol client standing in for VS Code:
   each rank says it listens on its port, the client attaches to each (the "attach to rank r"
   configurations' request), and the run exits 0 once both have a debugger.
 
-Every run is bounded (lessonlib.runprocs.run_bounded: everything it started is killed afterwards).
+Every run is bounded (lessonlib.launcher.processes.run_bounded: everything it started is killed afterwards).
 """
 
 import contextlib
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from lessonlib.runprocs import run_bounded
+from lessonlib.launcher.processes import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_JSON = ROOT / ".vscode" / "launch.json"

@@ -1,5 +1,5 @@
 """What a rank sees of its own process as it starts, reported for tests/test_forkrank.py to compare a rank
-forked from the torchrun agent (lessonlib._forkrank) with a fresh `python` one."""
+forked from the torchrun agent (lessonlib.launcher._forkrank) with a fresh `python` one."""
 
 import atexit
 import os
@@ -9,7 +9,9 @@ import sys
 import warnings
 
 at_start = {
-    "lessonlib modules": sorted(m for m in sys.modules if m.startswith("lessonlib.") and m != "lessonlib._rank_main"),
+    "lessonlib modules": sorted(
+        m for m in sys.modules if m.startswith("lessonlib.") and m != "lessonlib.launcher._rank_main"
+    ),
     "argv": sys.argv[1:],
     "path[0] is the script's folder": sys.path[0] == os.path.dirname(os.path.abspath(__file__)),
     "path": sys.path,
@@ -38,9 +40,17 @@ own, parent = (" ".join(psutil.Process(pid).cmdline()) for pid in (os.getpid(), 
 at_start.update(
     {
         "intra-op threads": torch.get_num_threads(),
-        "parent is the agent": any(m in parent for m in ("lessonlib._agent_main", "lessonlib._agentserver")),
+        "parent is the agent": any(
+            m in parent for m in ("lessonlib.launcher._agent_main", "lessonlib.launcher._agentserver")
+        ),
         "command line": next(
-            m for m in ("lessonlib._agentserver", "lessonlib._agent_main", "lessonlib._rank_main") if m in own
+            m
+            for m in (
+                "lessonlib.launcher._agentserver",
+                "lessonlib.launcher._agent_main",
+                "lessonlib.launcher._rank_main",
+            )
+            if m in own
         ),
     }
 )

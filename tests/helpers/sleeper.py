@@ -1,4 +1,4 @@
-"""Each rank says it is ready (TEST_READY_DIR/rank<N>.ready), then sleeps ten minutes (tests/test_runner.py)."""
+"""Each rank says it is ready (TEST_READY_DIR/rank<N>.ready), then sleeps ten minutes (tests/test_terminal.py)."""
 
 import os
 import time

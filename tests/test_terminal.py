@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import HELPERS, kill_processes, processes_with_env
-from lessonlib import runner
-from lessonlib.launcher import RankOutput
-from lessonlib.runprocs import kill_session, run_bounded
+from lessonlib.launcher import terminal
+from lessonlib.launcher.core import RankOutput
+from lessonlib.launcher.processes import kill_session, run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 HANG = HELPERS / "hang.py"
@@ -81,7 +81,7 @@ def test_run_help_explains_itself_with_examples():
 def test_list_and_help_do_not_import_torch():
     code = (
         "import sys, io, contextlib\n"
-        "from lessonlib.runner import main\n"
+        "from lessonlib.launcher.terminal import main\n"
         "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
         "    assert main(['list']) == 0\n"
         "    for argv in (['--help'], ['run', '--help'], []):\n"
@@ -89,7 +89,7 @@ def test_list_and_help_do_not_import_torch():
         "            main(argv)\n"
         "        except SystemExit:\n"
         "            pass\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'lessonlib.launcher'))\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'lessonlib.launcher.core'))\n"
         "print(heavy)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=FAST * 3)
@@ -105,7 +105,7 @@ def test_list_and_help_do_not_import_torch():
     )
     assert proc.returncode == 0, proc.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "lessonlib.runner" in imported, proc.stderr[-2000:]
+    assert "lessonlib.launcher.terminal" in imported, proc.stderr[-2000:]
     assert not {m for m in imported if m.split(".")[0] == "torch"}, "python -m lessonlib list imported torch"
 
 
@@ -127,7 +127,7 @@ def test_list_shows_every_lesson_under_its_chapter():
         headings[int(notebook.name[:2])] = matches[0]
     assert list(headings.values()) == sorted(headings.values()), "chapters are not in order"
     for lesson in LESSONS:
-        command = runner.command_of(lesson)
+        command = terminal.command_of(lesson)
         assert command, f"{lesson.name} has no docstring command"
         at = [i for i, line in enumerate(lines) if line.strip() == command]
         assert len(at) == 1, f"{lesson.name}: its command {command!r} is not listed once:\n{out}"
@@ -140,11 +140,11 @@ def test_list_shows_every_lesson_under_its_chapter():
 
 @pytest.mark.unit
 def test_default_world_size_comes_from_the_docstring():
-    assert runner.check_script("lessons/02_collectives.py", None)[1] == 4
-    assert runner.check_script("lessons/01_launch.py", None)[1] == 2
-    assert runner.check_script("lessons/11_single.py", None)[1] == 1
-    assert runner.check_script(str(HANG), None)[1] == runner.DEFAULT_NPROC  # no command in its docstring
-    assert runner.check_script("lessons/02_collectives.py", 3)[1] == 3
+    assert terminal.check_script("lessons/02_collectives.py", None)[1] == 4
+    assert terminal.check_script("lessons/01_launch.py", None)[1] == 2
+    assert terminal.check_script("lessons/11_single.py", None)[1] == 1
+    assert terminal.check_script(str(HANG), None)[1] == terminal.DEFAULT_NPROC  # no command in its docstring
+    assert terminal.check_script("lessons/02_collectives.py", 3)[1] == 3
 
 
 # --------------------------------------------------------------------------- bad input
@@ -242,7 +242,7 @@ def test_a_failing_rank_is_named_last_on_stderr():
 @pytest.mark.unit
 def test_columns_wrap_onto_rows_when_the_terminal_is_narrow():
     ranks = [RankOutput(r, stdout=f"rank {r} says " + "x" * 50 + "\nbye\n", exitcode=0, status="ok") for r in range(4)]
-    text = runner.render_columns(SimpleNamespace(ranks=ranks), 60)
+    text = terminal.render_columns(SimpleNamespace(ranks=ranks), 60)
     lines = text.splitlines()
     assert all(len(line) <= 60 for line in lines), text
     assert re.match(r"rank 0 \(exit 0\)\s+\| rank 1 \(exit 0\)$", lines[0]), text  # two columns a row
@@ -264,7 +264,7 @@ def test_a_timeout_says_so_and_leaves_no_process(hang_env):
     env, ready = hang_env
     sleeper = HELPERS / "sleeper.py"
     code, out, err, seconds = cli("run", str(sleeper), "-n", "2", "--timeout", "40", env=env)
-    assert code == runner.EXIT_TIMEOUT, shown(code, out, err)
+    assert code == terminal.EXIT_TIMEOUT, shown(code, out, err)
     assert sorted(os.listdir(ready)) == ["rank0.ready", "rank1.ready"], (
         f"the run timed out before the ranks were sleeping: {os.listdir(ready)}"
     )
@@ -295,7 +295,7 @@ def test_ctrl_c_exits_130_without_a_traceback_and_leaves_no_process(hang_env):
         # SIGINT at its default, as in a terminal. A process started with SIGINT ignored keeps it
         # ignored (Python installs no KeyboardInterrupt then), and the test suite can pass that on: run
         # as a background job of a non-interactive shell (`make test &` in a script), every process of
-        # it starts with SIGINT ignored, and Ctrl-C would never reach the runner.
+        # it starts with SIGINT ignored, and Ctrl-C would never reach the terminal.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         env={**os.environ, **env, MARK: mark},
     )
@@ -316,9 +316,9 @@ def test_ctrl_c_exits_130_without_a_traceback_and_leaves_no_process(hang_env):
     finally:
         kill_session(proc)
         kill_marked(mark)
-    assert proc.returncode == runner.EXIT_INTERRUPTED, shown(proc.returncode, out, err)
+    assert proc.returncode == terminal.EXIT_INTERRUPTED, shown(proc.returncode, out, err)
     assert (
         err.rstrip("\n").splitlines()[-1] == "lessonlib run: interrupted (Ctrl-C); every process of the run was stopped"
     ), err
-    assert "KeyboardInterrupt" not in err and 'File "' + runner.__file__ not in err, err
+    assert "KeyboardInterrupt" not in err and 'File "' + terminal.__file__ not in err, err
     assert processes_with_env("TEST_TAG", env["TEST_TAG"]) == []

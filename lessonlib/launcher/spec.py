@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 from ._runfolder import PREFIX
 
-ROOT = Path(__file__).resolve().parent.parent  # the course checkout: lessons/ and book/ live here
+ROOT = Path(__file__).resolve().parents[2]  # the course checkout: lessons/ and book/ live here
 MAX_NPROC = 16  # ranks per node; each is a whole Python process with torch loaded (~0.3 GB each)
 MAX_NNODES = 4  # simulated nodes on this one machine
 MAX_TIMEOUT = 3600.0

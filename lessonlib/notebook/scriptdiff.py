@@ -17,8 +17,8 @@ import difflib
 import re
 from dataclasses import dataclass
 
+from ..launcher.spec import resolve_script
 from .code import Code
-from .launchspec import resolve_script
 
 # A line that belongs to mixed precision in lessons/train_ddp.py.
 AMP_LINES = re.compile(r"\bamp\b|amp_dtype|autocast|scaler|GradScaler|float16|mixed precision")

@@ -1,6 +1,6 @@
 """The entry point of every rank that `lessonlib.launch` starts (chapter 1).
 
-`launch` runs `python -m torch.distributed.run ... -m lessonlib._rank_main SCRIPT ARGS...`, so each
+`launch` runs `python -m torch.distributed.run ... -m lessonlib.launcher._rank_main SCRIPT ARGS...`, so each
 worker starts here and then runs SCRIPT exactly as `python SCRIPT ARGS...` would. Before that it:
 
 - points the rank's file descriptors 1 and 2 at files of its own, so the launcher can show each rank
@@ -11,9 +11,9 @@ worker starts here and then runs SCRIPT exactly as `python SCRIPT ARGS...` would
 - records how the rank ended (exit code, exception, traceback, time) in a small JSON file, which is
   how `LaunchError` can name the first rank that failed rather than the last one to notice.
 
-The files it writes, and the variables it reads, are the run folder's (lessonlib._runfolder).
+The files it writes, and the variables it reads, are the run folder's (lessonlib.launcher._runfolder).
 
-It also dies if the torchrun agent dies (`lessonlib._lifeline`). The traceback printed for an uncaught
+It also dies if the torchrun agent dies (`lessonlib.launcher._lifeline`). The traceback printed for an uncaught
 exception leaves out this module's frames: it reads exactly as it would under bare torchrun.
 """
 
@@ -25,8 +25,8 @@ import sys
 import time
 import traceback
 
-from lessonlib import _runfolder as runfolder
-from lessonlib._lifeline import die_with_parent
+from lessonlib.launcher import _runfolder as runfolder
+from lessonlib.launcher._lifeline import die_with_parent
 
 
 def _redirect_std_streams(run_dir, rank):

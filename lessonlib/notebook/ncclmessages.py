@@ -14,8 +14,10 @@ import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..launcher.spec import ROOT
+
 # Where lessons/12_nccl.py's output, run on a GPU, is kept for readers without one.
-CAPTURE = Path(__file__).resolve().parent.parent / "book" / "captured" / "12_nccl_gpu.json"
+CAPTURE = ROOT / "book" / "captured" / "12_nccl_gpu.json"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,7 @@
 """A lesson's own argparse parser, read or applied without running the lesson (the run panel, chapter 2).
 
-    python -m lessonlib._argspec describe LESSON OUT.json
-    python -m lessonlib._argspec check LESSON OUT.json [LESSON OPTIONS ...]
+    python -m lessonlib.notebook._argspec describe LESSON OUT.json
+    python -m lessonlib.notebook._argspec check LESSON OUT.json [LESSON OPTIONS ...]
 
 The lesson runs as `__main__` up to its `parse_args()` call, which this module replaces: `describe`
 writes the parser's options to OUT.json; `check` parses the given options with the lesson's parser
@@ -27,7 +27,7 @@ def _plain(value):
 
 
 def describe(parser):
-    """One dict per option: what lessonlib.lessonoptions.Option is made from."""
+    """One dict per option: what lessonlib.notebook.options.Option is made from."""
     options = []
     for action in parser._actions:
         if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):

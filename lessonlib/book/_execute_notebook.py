@@ -1,6 +1,6 @@
-"""Execute one chapter notebook the way MyST-NB does, in a process of its own (lessonlib.bookdeps).
+"""Execute one chapter notebook the way MyST-NB does, in a process of its own (lessonlib.book.rebuild).
 
-    python -m lessonlib._execute_notebook book/NN.ipynb OUT.ipynb TIMEOUT
+    python -m lessonlib.book._execute_notebook book/NN.ipynb OUT.ipynb TIMEOUT
 
 The same function and settings as MyST-NB's own execution with `run_in_temp: false`: jupyter-cache's
 `single_nb_execution`, the kernel started in the notebook's folder, TIMEOUT seconds per cell, errors
@@ -23,7 +23,7 @@ from pathlib import Path
 import nbformat
 from jupyter_cache.executors.utils import single_nb_execution
 
-from lessonlib._lifeline import die_with_parent
+from lessonlib.launcher._lifeline import die_with_parent
 
 KERNEL_STARTS = 2  # a kernel that dies before its first cell is started once more (died_before_its_first_cell)
 
@@ -100,9 +100,9 @@ def slowest_cells(nb, n=5):
 
 def main(argv):
     if len(argv) != 3:
-        raise SystemExit(f"usage: python -m lessonlib._execute_notebook NOTEBOOK OUT TIMEOUT (got {argv})")
+        raise SystemExit(f"usage: python -m lessonlib.book._execute_notebook NOTEBOOK OUT TIMEOUT (got {argv})")
     # If the build that started this process dies, even by SIGKILL, this one gets SIGTERM, on which
-    # nbclient shuts the kernel down (and the kernel's launches end with it: lessonlib._lifeline).
+    # nbclient shuts the kernel down (and the kernel's launches end with it: lessonlib.launcher._lifeline).
     die_with_parent(signal.SIGTERM)
     report = execute(argv[0], argv[1], int(argv[2]))
     print(json.dumps(report), flush=True)

@@ -6,7 +6,7 @@ shutdown is not enough: it asks its ranks to stop (SIGTERM) and waits up to 30 s
 ignores it, and it knows nothing of a process a rank started in a session of its own, nor of the run
 folder. So a thread of this agent watches the launcher, and when it is gone does what the launcher
 would have done: kill every process that carries the run's marker, remove the run folder, and exit.
-For an agent forked from the launcher's agent server (lessonlib._agentserver), the process it watches
+For an agent forked from the launcher's agent server (lessonlib.launcher._agentserver), the process it watches
 is that server, which exits when the launcher does.
 
 One speed fix, with no change in what torchrun does: its rendezvous names the method that records
@@ -27,9 +27,9 @@ import time
 
 import psutil
 
-from lessonlib import _forkrank
-from lessonlib._runfolder import LAUNCHER_PID_VAR, RUN_DIR_VAR, RUN_ID_VAR
-from lessonlib.runprocs import run_processes
+from lessonlib.launcher import _forkrank
+from lessonlib.launcher._runfolder import LAUNCHER_PID_VAR, RUN_DIR_VAR, RUN_ID_VAR
+from lessonlib.launcher.processes import run_processes
 
 WATCH_INTERVAL = 0.2  # seconds between two looks at the launcher
 
@@ -64,7 +64,7 @@ def end_run_when_launcher_dies(launcher_pid):
 
 
 if __name__ == "__main__":
-    # No death signal for the agent itself (lessonlib._lifeline): torchrun would handle it and exit
+    # No death signal for the agent itself (lessonlib.launcher._lifeline): torchrun would handle it and exit
     # before the watch below had cleaned up. The watch also covers a launcher gone before this line.
     launcher = int(os.environ[LAUNCHER_PID_VAR])
     threading.Thread(target=end_run_when_launcher_dies, args=(launcher,), daemon=True).start()
@@ -73,6 +73,6 @@ if __name__ == "__main__":
         module = "torch.distributed.launch"
         del sys.argv[1]
     quicken_rendezvous()
-    if _forkrank.wanted():  # ranks forked from this agent, torch already imported (lessonlib._forkrank)
+    if _forkrank.wanted():  # ranks forked from this agent, torch already imported (lessonlib.launcher._forkrank)
         _forkrank.install()
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -1,11 +1,11 @@
 """Ranks forked from the torchrun agent that `lessonlib.launch` starts, instead of a fresh `python` each.
 
-torchrun starts every rank as a new process: `python -u -m lessonlib._rank_main SCRIPT ARGS`. Each one
+torchrun starts every rank as a new process: `python -u -m lessonlib.launcher._rank_main SCRIPT ARGS`. Each one
 then imports torch (about 2 CPU-seconds) and, at its first optimizer, torch._dynamo (about 2 more),
 which the agent has already paid for. On a 2-core machine a small lesson's run is mostly those
-imports. So in the agent (lessonlib._agent_main) this module replaces the one step of torchrun that
+imports. So in the agent (lessonlib.launcher._agent_main) this module replaces the one step of torchrun that
 starts a worker, `SubprocessHandler._popen`: for that exact command it forks the agent instead, and the
-child becomes the rank a fresh `python` would have been, then runs lessonlib._rank_main in-process.
+child becomes the rank a fresh `python` would have been, then runs lessonlib.launcher._rank_main in-process.
 Everything else is torchrun's own: its rendezvous, its environment for each rank, its watching,
 stopping, restarting and failure summary, which see a child process with a pid, as before.
 
@@ -23,14 +23,14 @@ What the child resets, so that a rank cannot tell the difference in what it comp
   streams flushed), then the exit status, as a number or a signal, as before.
 
 What differs, and is visible only from outside: the rank's command line (`ps`, `pgrep -f`) is the
-agent's (or, for an agent forked from the agent server, lessonlib._agentserver, the server's);
-/proc/PID/environ shows the agent's variables, the run's marker among them (lessonlib.runprocs finds the
+agent's (or, for an agent forked from the agent server, lessonlib.launcher._agentserver, the server's);
+/proc/PID/environ shows the agent's variables, the run's marker among them (lessonlib.launcher.processes finds the
 rank by it as before); and the string hash seed is the agent's (PYTHONHASHSEED). A machine with NVIDIA
 devices, or LESSONLIB_FRESH_RANKS=1 in the launch's environment, gets torchrun's own fresh processes: a
 CUDA driver touched in the agent would not survive a fork. The chapters' torchrun commands that readers
 type start fresh processes: this is `launch`'s alone.
 
-`become` is also how lessonlib._agentserver turns a fork of itself into a torchrun agent.
+`become` is also how lessonlib.launcher._agentserver turns a fork of itself into a torchrun agent.
 """
 
 import atexit
@@ -49,10 +49,10 @@ import traceback
 import warnings
 import weakref
 
-from lessonlib.launchspec import nvidia_devices
+from lessonlib.launcher.spec import nvidia_devices
 
 FRESH_VAR = "LESSONLIB_FRESH_RANKS"  # "1": every rank a fresh `python`, as torchrun alone starts them
-RANK_MODULE = "lessonlib._rank_main"
+RANK_MODULE = "lessonlib.launcher._rank_main"
 
 _saved = None  # the fresh interpreter's state, saved by install()
 _kept = []  # the agent's own stream objects, kept alive in a child so they never flush there

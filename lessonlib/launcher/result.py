@@ -3,10 +3,10 @@
     run.ok, run.ranks[1].stdout, run.root_cause, run.raise_for_status()
 
 How a run is told (its status line, one line per rank, the failure story, the HTML and text views) is
-lessonlib.display's; the methods here that return text call it.
+lessonlib.launcher.display's; the methods here that return text call it.
 
 `read_result` builds the RunResult from two sources. The ranks' own records in the run folder
-(lessonlib._runfolder) come first: their output, when each started and ended, the exception that
+(lessonlib.launcher._runfolder) come first: their output, when each started and ended, the exception that
 ended it. A rank that left no exit record (os._exit, a signal, a kill on timeout) is judged from what
 the launcher saw instead (an Ending): when its process disappeared, whether the run timed out or was
 interrupted, and the exit code torchrun reported for it.
@@ -65,7 +65,9 @@ class RunResult:
     interrupted: bool = False
     leftovers: list = field(default_factory=list)  # processes that outlived the run and were killed
     agent_pids: list = field(default_factory=list)  # torchrun agent pid per node, in --node-rank order
-    _shown_in_cell = None  # not a field: the IPython cell whose launch view showed this run (lessonlib.display)
+    _shown_in_cell = (
+        None  # not a field: the IPython cell whose launch view showed this run (lessonlib.launcher.display)
+    )
 
     @property
     def world_size(self):
@@ -131,7 +133,7 @@ class RunResult:
 
     def describe_failure(self):
         """What went wrong: a headline, one line per rank (how it ended, where it was), then the root
-        cause's traceback and the stacks of ranks that were stopped (the text lives in lessonlib.display)."""
+        cause's traceback and the stacks of ranks that were stopped (the text lives in lessonlib.launcher.display)."""
         from .display import describe_failure
 
         return describe_failure(self)

@@ -9,7 +9,7 @@ The kind is one of KINDS and is the author's choice. The minutes are estimated f
 text (`estimate`: prose at READING_WPM words a minute, a little time for each code cell, and
 EXERCISE_MIN to do an exercise). Each chapter also opens with a reading map (an admonition of class
 `reading-map`) listing its sections by kind with the total, made from the labels by `render_map`.
-`python -m lessonlib.readingmap` writes the minutes and the maps; tests/test_reading_map.py fails
+`python -m lessonlib.book.readingmap` writes the minutes and the maps; tests/test_reading_map.py fails
 when a label is missing, a map is stale or a stated time is far from the estimate. The Start page
 builds its short path from the same labels (`path_rows`), so its times are the chapters' own.
 """
@@ -21,7 +21,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-BOOK = Path(__file__).resolve().parent.parent / "book"
+from ..launcher.spec import ROOT
+
+BOOK = ROOT / "book"
 KINDS = ("Core", "Deep dive", "Exercise")
 READING_WPM = 180  # technical prose, read with care
 CODE_CELL_MIN = 0.5  # a code cell: its code or the lesson code it shows, and its output

@@ -14,7 +14,7 @@ closes that gap, in two steps:
   cached outputs are missing, or were made from other contents of those dependencies (a key stored
   with the cache record), is executed here, several at a time (BOOK_JOBS, default 2 to 4 by CPU
   count), each in a process of its own with the same function and settings as MyST-NB's
-  (lessonlib._execute_notebook), each bounded (BOOK_CHAPTER_TIMEOUT seconds, default 2400), and
+  (lessonlib.book._execute_notebook), each bounded (BOOK_CHAPTER_TIMEOUT seconds, default 2400), and
   cached. MyST-NB then finds every chapter in the cache and only renders it.
 
 So a cold `jupyter-book build book` executes the chapters side by side; a rebuild with nothing changed
@@ -39,8 +39,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .launchspec import ROOT, find_script
-from .runprocs import kill_session, marked_environment, sigterm_cleans_up
+from ..launcher.processes import kill_session, marked_environment, sigterm_cleans_up
+from ..launcher.spec import ROOT, find_script
 
 LESSON_PATH = re.compile(r"""["']((?:\.\./)?lessons/[\w./-]+\.py)["']""")
 KEY = "lessonlib_dependencies"  # the field of a cache record's data that holds the dependency key
@@ -64,7 +64,7 @@ def dependencies(notebook_text, folder):
         if path is not None:
             found.add(path)
     if "lessonlib" in code:  # its modules, and the recorded runs it serves (book/captured/: a GPU's output)
-        found.update(p.resolve() for p in (ROOT / "lessonlib").glob("*.py"))
+        found.update(p.resolve() for p in (ROOT / "lessonlib").rglob("*.py"))
         found.update(p.resolve() for p in (ROOT / "book" / "captured").glob("*.json"))
     return sorted(found)
 
@@ -178,7 +178,7 @@ def _execute_all(pending, running, done, cell_timeout, jobs, timeout, log):
                 done.seconds[path], done.slowest[path] = report["seconds"], report.get("slowest", [])
                 done.executed[path] = executor.out
             said = f"executed in {done.seconds[path]} s" if path in done.seconds else "FAILED"
-            log(f"lessonlib.bookdeps: {path.name}: {said}")
+            log(f"lessonlib.book.rebuild: {path.name}: {said}")
         time.sleep(0.2)
 
 
@@ -187,7 +187,7 @@ def _start(path, done, number, cell_timeout):
     logfile = open(done.scratch / f"{out.stem}.log", "w+")
     env, mark = marked_environment()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lessonlib._execute_notebook", str(path), str(out), str(cell_timeout)],
+        [sys.executable, "-m", "lessonlib.book._execute_notebook", str(path), str(out), str(cell_timeout)],
         cwd=ROOT,
         env=env,
         stdout=logfile,
@@ -284,7 +284,7 @@ def _execute_stale(app, env, docnames):
     if stale:
         n = min(jobs(), len(stale))
         names = ", ".join(s.path.name for s in stale)
-        logger.info(f"lessonlib.bookdeps: executing {len(stale)} notebook(s), {n} at a time: {names}")
+        logger.info(f"lessonlib.book.rebuild: executing {len(stale)} notebook(s), {n} at a time: {names}")
         paths = [s.path for s in stale]
         done = execute_notebooks(paths, config.execution_timeout, n, chapter_timeout(), log=logger.info)
         cache_executed(cache, stale, done)

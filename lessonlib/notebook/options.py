@@ -6,12 +6,12 @@ arguments, with no widget and no kernel (chapter 2).
     options.problems(values)                          # what is wrong, before anything starts
     options.args(values)                              # ['--steps', '5']: defaults left out
 
-Each Option has a kind, from the parser (lessonlib._argspec): "switch" (a store_true or store_false
+Each Option has a kind, from the parser (lessonlib.notebook._argspec): "switch" (a store_true or store_false
 flag), "bool" (--x / --no-x), "choice", "int" or "float" (a number; an optional one, whose default is
 None, is held as text where "" means not given), or "text" (anything else: a list, a type of the
 lesson's own such as lessonlib.comma_list). A value is what a control holds: a bool, the chosen
 string, a number, or text. Only the lesson's parser can judge text, so `needs_lesson_check` says when
-the panel must ask it (lessonlib._argspec check).
+the panel must ask it (lessonlib.notebook._argspec check).
 """
 
 import json
@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .launchspec import ROOT
+from ..launcher.spec import ROOT
 
 KINDS = ("switch", "bool", "choice", "int", "float", "text")
 SPEC_TIMEOUT = 60  # seconds to read a lesson's options (it imports torch)
@@ -44,7 +44,7 @@ class Option:
 
     @classmethod
     def from_spec(cls, spec):
-        """From one dict of lessonlib._argspec.describe."""
+        """From one dict of lessonlib.notebook._argspec.describe."""
         return cls(
             flag=spec["flag"],
             kind=spec["kind"],
@@ -181,12 +181,12 @@ def _a_number(kind):
 
 
 def run_argspec(mode, path, args=()):
-    """Run lessonlib._argspec in a fresh process, bounded; (exit code, its JSON or None, stderr)."""
+    """Run lessonlib.notebook._argspec in a fresh process, bounded; (exit code, its JSON or None, stderr)."""
     with tempfile.TemporaryDirectory(prefix="lessonlib-argspec-") as folder:
         out = Path(folder) / "out.json"
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "lessonlib._argspec", mode, str(path), str(out), *args],
+                [sys.executable, "-m", "lessonlib.notebook._argspec", mode, str(path), str(out), *args],
                 cwd=ROOT,
                 capture_output=True,
                 text=True,
@@ -200,7 +200,7 @@ def run_argspec(mode, path, args=()):
 
 
 def read_specs(path):
-    """The lesson's argparse options as lessonlib._argspec.describe gives them ([] without argparse)."""
+    """The lesson's argparse options as lessonlib.notebook._argspec.describe gives them ([] without argparse)."""
     path = Path(path)
     key = (str(path), path.stat().st_mtime_ns)
     if key not in _read:

@@ -1,6 +1,6 @@
 """Find every process of a run, ask the hung ranks where they are, and kill them all (chapter 1).
 
-Every process of a launch carries the run's marker in its environment (lessonlib._runfolder.RUN_ID_VAR).
+Every process of a launch carries the run's marker in its environment (lessonlib.launcher._runfolder.RUN_ID_VAR).
 torchrun puts its workers in sessions of their own, and a rank's children (DataLoader workers) may
 outlive their parent, so neither a process tree nor a session finds them all: the marker does.
 

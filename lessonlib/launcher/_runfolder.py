@@ -4,7 +4,7 @@
 below in its environment. Every rank writes into the folder; the launcher reads it back into a
 RunResult, then removes it:
 
-    rank{r}.stdout, rank{r}.stderr  rank r's file descriptors 1 and 2 (lessonlib._rank_main)
+    rank{r}.stdout, rank{r}.stderr  rank r's file descriptors 1 and 2 (lessonlib.launcher._rank_main)
     rank{r}.start.json              {"rank", "pid", "time"}: written as the rank starts its script
     rank{r}.exit.json               {"rank", "pid", "start", "end", "exitcode"}, with "exc_type",
                                     "message" and "traceback" when the script failed: written as it ends

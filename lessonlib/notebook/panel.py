@@ -26,7 +26,7 @@ Two ways to run, two ways to stop:
   what VS Code's renderer handles badly).
 
 The options are read by running the lesson in a fresh process up to its parse_args() call
-(lessonlib._argspec), once per lesson file version.
+(lessonlib.notebook._argspec), once per lesson file version.
 """
 
 import base64
@@ -37,10 +37,10 @@ import threading
 
 import ipywidgets as widgets
 
-from .display import HtmlLiveView, command_line
-from .launcher import launch
-from .launchspec import ROOT, ranks_problem, resolve_script
-from .lessonoptions import LessonOptions, run_argspec
+from ..launcher.core import launch
+from ..launcher.display import HtmlLiveView, command_line
+from ..launcher.spec import ROOT, ranks_problem, resolve_script
+from .options import LessonOptions, run_argspec
 
 MAX_RANKS = 4  # each rank is a Python process with torch loaded; the panel is for a laptop
 
@@ -139,7 +139,7 @@ class RunPanel(widgets.VBox):
 
     @staticmethod
     def _control(option, style, layout):
-        """The widget for one option (lessonlib.lessonoptions.Option): its kind picks it, nothing else."""
+        """The widget for one option (lessonlib.notebook.options.Option): its kind picks it, nothing else."""
         label, tip, value = option.flag, option.help or option.flag, option.initial
         if option.kind in ("switch", "bool"):
             return widgets.Checkbox(value=value, description=label, indent=False, tooltip=tip, layout=layout)

@@ -29,7 +29,7 @@ from pathlib import Path
 from .display import MIN_COLUMN, describe_failure, failure_line, render_columns  # noqa: F401
 
 # The launcher's bounds, root and lookup rule, without importing the launcher.
-from .launchspec import MAX_NPROC, MAX_TIMEOUT, ROOT, find_script, ranks_problem, script_candidates, timeout_problem
+from .spec import MAX_NPROC, MAX_TIMEOUT, ROOT, find_script, ranks_problem, script_candidates, timeout_problem
 
 LESSON_GLOB = "lessons/[0-9][0-9]_*.py"
 NOTEBOOK_GLOB = "book/[0-9][0-9]_*.ipynb"
@@ -206,7 +206,7 @@ def check_script(script, nproc):
 def run_lesson(script, nproc=None, timeout=DEFAULT_TIMEOUT, args=(), columns=False):
     """Launch `script` with every rank's lines shown live; return the exit status (see the docstring)."""
     path, nproc = check_script(script, nproc)
-    from .launcher import launch  # psutil and the display, not torch
+    from .core import launch  # psutil and the display, not torch
 
     try:
         result = launch(path, nproc=nproc, args=list(args), timeout=timeout, show="text", cwd=os.getcwd())

@@ -7,22 +7,22 @@
 What it guarantees, and how:
 
 - Input is checked before anything starts; a mistake is a ValueError or FileNotFoundError that says
-  what was wrong and what is allowed (lessonlib.launchspec).
+  what was wrong and what is allowed (lessonlib.launcher.spec).
 - torchrun is `python -m torch.distributed.run` with this interpreter, in its own session, with the
   rendezvous on 127.0.0.1 and port 0 (the kernel picks a free one), so launches never collide. It
-  starts through `lessonlib._agent_main`, which only adds that if this process dies, the agent
+  starts through `lessonlib.launcher._agent_main`, which only adds that if this process dies, the agent
   ends the run itself: every process of it killed, the run folder removed. Where it can, the agent is
   forked from this process's agent server, which has imported torch once for every launch
-  (lessonlib._agentserver), and the agent forks the ranks (lessonlib._forkrank).
-- Every rank starts in `lessonlib._rank_main`, which sends its stdout and stderr to files of its own
-  in the run folder (lessonlib._runfolder): nothing goes through a pipe, so nothing can deadlock
+  (lessonlib.launcher._agentserver), and the agent forks the ranks (lessonlib.launcher._forkrank).
+- Every rank starts in `lessonlib.launcher._rank_main`, which sends its stdout and stderr to files of its own
+  in the run folder (lessonlib.launcher._runfolder): nothing goes through a pipe, so nothing can deadlock
   however much a rank prints, and torchrun's own banner and warnings stay apart from the ranks'.
 - Every process of the run carries a marker in its environment. On timeout or interrupt the ranks
   still running print their Python stacks (SIGUSR1, faulthandler), then every process carrying the
-  marker is killed (lessonlib.runprocs); torchrun puts workers in sessions of their own, so killing
+  marker is killed (lessonlib.launcher.processes); torchrun puts workers in sessions of their own, so killing
   torchrun's session alone would not be enough. The same scan runs after every launch, so no process
   of a run outlives it, whatever the outcome.
-- What the ranks recorded, and what the launcher saw, become a RunResult (lessonlib.result).
+- What the ranks recorded, and what the launcher saw, become a RunResult (lessonlib.launcher.result).
 """
 
 import codecs
@@ -43,19 +43,19 @@ from . import _runfolder as runfolder
 # Names that notebooks, tests and the rest of lessonlib import from here, where launch's pieces lived before
 # they had modules of their own.
 from ._runfolder import RUN_ID_VAR  # noqa: F401
-from .launchspec import (
-    RENDEZVOUS,  # noqa: F401
-    ROOT,
-    check_launch,
-)
 from .ports import reserve_port
-from .result import Ending, LaunchError, RankOutput, RunResult, read_result  # noqa: F401
-from .runprocs import (
+from .processes import (
     STACK_DUMP_GRACE,  # noqa: F401
     RankWatch,
     dump_stacks_then_kill,
     kill_all,
     run_processes,
+)
+from .result import Ending, LaunchError, RankOutput, RunResult, read_result  # noqa: F401
+from .spec import (
+    RENDEZVOUS,  # noqa: F401
+    ROOT,
+    check_launch,
 )
 
 SHOW = ("auto", "html", "text", "none")
@@ -84,7 +84,7 @@ def launch(
     `backend` forces the process-group backend that `lessonlib.setup()` picks (default: gloo on CPU,
     nccl with enough GPUs). `launcher='torch.distributed.launch'` uses the deprecated launcher.
     `show`: 'auto' (live HTML in a notebook, prefixed text in a terminal), 'html', 'text' or 'none'
-    (or a view object, as the run panel passes: see lessonlib.display.NullView).
+    (or a view object, as the run panel passes: see lessonlib.launcher.display.NullView).
     `stop`: a threading.Event; setting it (from another thread: the run panel's Stop button) ends the
     run as an interrupt does, every process killed, and the result has `interrupted` set.
     `max_restarts`: torchrun's --max-restarts (chapter 12): after a rank fails, every rank is stopped
@@ -156,7 +156,7 @@ class _Run:
             self.agent_logs.append(log)
             cmd = _agent_command(self.spec, node, self.id, self.dir, port)
             # Forked from this process's agent server where it can be (torch imported there once), else
-            # the command itself: the same agent either way (lessonlib._agentserver).
+            # the command itself: the same agent either way (lessonlib.launcher._agentserver).
             agent = _agentserver.start_agent(cmd, env, self.spec.cwd, log, own_env=bool(self.spec.env))
             if agent is None:
                 agent = psutil.Popen(
@@ -256,13 +256,13 @@ def _environment(spec, run_id, run_dir):
 
 
 def _agent_command(spec, node, run_id, run_dir, port):
-    """The command line of torchrun agent `node`: lessonlib._agent_main, which is torch.distributed.run
-    (or .launch) that dies with this process, starting lessonlib._rank_main on the script."""
+    """The command line of torchrun agent `node`: lessonlib.launcher._agent_main, which is torch.distributed.run
+    (or .launch) that dies with this process, starting lessonlib.launcher._rank_main on the script."""
     legacy = spec.launcher != "torchrun"
     cmd = [
         sys.executable,
         "-m",
-        "lessonlib._agent_main",
+        "lessonlib.launcher._agent_main",
         *(["--legacy"] if legacy else []),
         f"--nproc-per-node={spec.nproc}",
         "--local-addr=127.0.0.1",
@@ -284,7 +284,7 @@ def _agent_command(spec, node, run_id, run_dir, port):
         ]
     else:
         cmd += [f"--nnodes={spec.nnodes}", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}"]
-    return cmd + ["-m", "lessonlib._rank_main", spec.shown, *spec.args]
+    return cmd + ["-m", "lessonlib.launcher._rank_main", spec.shown, *spec.args]
 
 
 def _despite_interrupts(step, tries=10):

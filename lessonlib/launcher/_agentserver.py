@@ -1,29 +1,29 @@
 """torchrun agents forked from one server per launching process, which has imported torch once.
 
-Every `lessonlib.launch` starts a torchrun agent, `python -m lessonlib._agent_main ...`, which imports
-torch and torch._dynamo (about 4 CPU-seconds) and then forks the ranks from itself (lessonlib._forkrank).
+Every `lessonlib.launch` starts a torchrun agent, `python -m lessonlib.launcher._agent_main ...`, which imports
+torch and torch._dynamo (about 4 CPU-seconds) and then forks the ranks from itself (lessonlib.launcher._forkrank).
 A chapter launches a dozen times or more, each paying for those imports again. So at its first launch
 the launching process (a notebook kernel, a test worker, the terminal runner) starts this server, which
 imports them once, and every launch forks its agent from it. The child becomes what the fresh agent
 would have been, by the same `_forkrank.become` that makes a forked rank what a fresh rank would be: a
 session of its own, the launch's environment and working folder, its log file on stdout and stderr,
-signal handlers and interpreter state as a fresh start leaves them, then `lessonlib._agent_main` run as
+signal handlers and interpreter state as a fresh start leaves them, then `lessonlib.launcher._agent_main` run as
 `python -m` runs it. Everything after that is as before.
 
-Which launches take this path: those whose ranks would be forked (lessonlib._forkrank.wanted), with no
+Which launches take this path: those whose ranks would be forked (lessonlib.launcher._forkrank.wanted), with no
 `env=` of their own, and whose environment equals the server's but for the run's own variables
 (PER_RUN, which only code running later reads). torch reads some variables once, as it is imported, and
 the server imported it under its environment. A launch whose environment differs (`os.environ` changed
 since) replaces an idle server, or starts a fresh agent while the server has a run going.
 
-The run's marker. lessonlib.runprocs finds every process of a run by its marker variable in
+The run's marker. lessonlib.launcher.processes finds every process of a run by its marker variable in
 /proc/PID/environ, which shows the environment a process was started with, not what it set since. The
 server starts with a placeholder of the same length (SLOT_VAR=SLOT_VALUE), and each agent writes its
 run's marker over it, in place, in its own copy of that memory: /proc/PID/environ then names the run,
 for the agent and for every rank it forks.
 
 Lifetime. The server exits when the launching process closes its end of the socket or dies (its parent
-changes); an agent watches the server as its launcher (lessonlib._agent_main), so when the kernel is
+changes); an agent watches the server as its launcher (lessonlib.launcher._agent_main), so when the kernel is
 killed, the server goes, and every run still going is ended by its own agent, as before.
 
 Protocol, over a SOCK_SEQPACKET socket pair: the launcher sends a request (JSON: the agent's arguments,
@@ -47,10 +47,11 @@ import threading
 import time
 import warnings
 
-from lessonlib import _forkrank
-from lessonlib._runfolder import BACKEND_VAR, LAUNCHER_PID_VAR, RUN_DIR_VAR, RUN_ID_VAR
+from lessonlib.launcher import _forkrank
+from lessonlib.launcher._runfolder import BACKEND_VAR, LAUNCHER_PID_VAR, RUN_DIR_VAR, RUN_ID_VAR
+from lessonlib.launcher.spec import ROOT
 
-AGENT_MODULE = "lessonlib._agent_main"
+AGENT_MODULE = "lessonlib.launcher._agent_main"
 SLOT_VAR = "LESSONLIB_NO_RUN"  # as long as RUN_ID_VAR: an agent overwrites "SLOT_VAR=SLOT_VALUE" with its marker
 SLOT_VALUE = "-" * 32  # as long as a run id (uuid4().hex)
 # Variables a launch sets for its own run, read only by code that runs after the imports (the agent's
@@ -147,9 +148,9 @@ class _Server:
         self.socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "lessonlib._agentserver", str(theirs.fileno())],
+                [sys.executable, "-m", "lessonlib.launcher._agentserver", str(theirs.fileno())],
                 env={**base[0], SLOT_VAR: SLOT_VALUE},
-                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                cwd=ROOT,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,  # a kernel would show it in a cell; a failure reads as no answer
@@ -197,7 +198,7 @@ _exit_hook = False  # atexit has been told to end this process's server
 
 
 def start_agent(cmd, env, cwd, log, own_env):
-    """The torchrun agent `cmd` (python -m lessonlib._agent_main ...) forked from this process's server,
+    """The torchrun agent `cmd` (python -m lessonlib.launcher._agent_main ...) forked from this process's server,
     or None: start it fresh. `own_env`: the launch passed env= (then always fresh)."""
     global _server, _broken, _exit_hook
     if (

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from .launchspec import ROOT
+from .spec import ROOT
 
 LIVE_LINES = 12  # lines per rank in the live view
 LIVE_EVERY = 0.25  # seconds between live redraws
@@ -439,11 +439,11 @@ def stack_dump(stderr):
     hits = [i for i in (stderr.find("Thread 0x"), stderr.find("Current thread 0x")) if i >= 0]
     if not hits:
         return ""
-    # The frames below the lesson (runpy, lessonlib._rank_main) are the launcher's, not the lesson's.
+    # The frames below the lesson (runpy, lessonlib.launcher._rank_main) are the launcher's, not the lesson's.
     lines = [
         ln
         for ln in stderr[min(hits) :].splitlines()
-        if "<frozen runpy>" not in ln and "lessonlib/_rank_main.py" not in ln
+        if "<frozen runpy>" not in ln and "lessonlib/launcher/_rank_main.py" not in ln
     ]
     return "\n".join(lines).rstrip()
 

@@ -1,0 +1,12 @@
+"""The notebook side: what a chapter's cells call besides `launch`.
+
+- `panel`: the run panel (ipywidgets): a lesson's ranks and options as controls, Run and Stop.
+- `options`: a lesson's options as data (parse, apply, check), with no widget; `_argspec` reads them
+  from the lesson's own argument parser in a child process.
+- `code`: `show_code`, a lesson's marked region or function as highlighted code.
+- `plots`: `plot_ranks`, what each rank holds, one row per rank.
+- `scriptdiff`: the Start page's diffs from a one-process script to DDP, then AMP.
+- `ncclmessages`: chapter 12's table of what NCCL prints, checked against the installed torch.
+
+Nothing is imported here: `lessonlib.panel`, `show_code` and `plot_ranks` import their module on first use.
+"""
