@@ -1,11 +1,10 @@
-"""Lesson code in the chapters: lessonlib.show_code, the markers it reads, and the book's dependencies.
+"""Lesson code in the chapters: lessonlib.show_code and the markers it reads.
 
 The chapters show lesson code with `lessonlib.show_code(path, region)` (or `pyobject=`) in code cells
 whose input the book removes. These tests check every such call in the notebooks resolves, that every
 marked region in a lesson is shown by some chapter (an unshown marker is clutter in the lesson), that
-errors name the file and what it has, and, with real incremental `jupyter-book build`s of a small
-book, that the code is highlighted like any code block and that a rebuild executes exactly the
-chapters whose code, or lessons, changed.
+errors name the file and what it has, and that the caption and code render the same in the book,
+JupyterLab and VS Code. How the book rebuilds when a lesson changes: tests/test_rebuild.py.
 """
 
 import ast
@@ -18,7 +17,6 @@ from pathlib import Path
 import pytest
 
 import lessonlib
-from lessonlib.launcher.processes import run_bounded
 from lessonlib.notebook.code import MARKER, Code, regions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -175,134 +173,3 @@ def test_a_missing_file_region_or_function_is_a_clear_error(tmp_path):
         lessonlib.show_code(lesson)
     with pytest.raises(ValueError, match="exactly one of"):
         lessonlib.show_code(lesson, "a", pyobject="f")
-
-
-def _build(book, timeout=240):
-    """`jupyter-book build` without --all (an incremental build), in its own session, bounded."""
-    done = run_bounded([JUPYTER_BOOK, "build", book, "-W", "-n"], timeout, cwd=book.parent)
-    if done.timed_out:
-        pytest.fail(f"jupyter-book build did not finish in {timeout} s:\n{done.output[-4000:]}")
-    assert done.returncode == 0, done.output[-4000:]
-    return done.output
-
-
-def _notebook(path, kernel, markdown, code, tags=()):
-    cells = [
-        {"cell_type": "markdown", "id": "m", "metadata": {}, "source": markdown},
-        {
-            "cell_type": "code",
-            "id": "c",
-            "metadata": {"tags": list(tags)},
-            "outputs": [],
-            "execution_count": None,
-            "source": code,
-        },
-    ]
-    path.write_text(
-        json.dumps({"cells": cells, "metadata": {"kernelspec": kernel}, "nbformat": 4, "nbformat_minor": 5})
-    )
-
-
-@pytest.mark.timeout(600)
-def test_a_rebuild_executes_exactly_the_chapters_whose_code_changed(tmp_path):
-    """A small book with the course's execution settings (_config.yml's `execute` block, lessonlib.book.rebuild)
-    and three chapters: one shows a region of a lesson, one runs another lesson, one uses no lesson.
-    Each execution of a chapter is recorded in a file. Incremental builds (no --all), as a reader makes
-    them: a cold build executes all three (side by side); nothing changed, or prose edited, executes
-    none; a lesson edited executes exactly the chapter that uses it, and its page shows the new code or
-    output; a code cell edited executes its chapter only. The shown code is highlighted like any block."""
-    config = (ROOT / "_config.yml").read_text()
-    assert "lessonlib.book.rebuild" in config, "_config.yml no longer loads lessonlib.book.rebuild"
-    execute = re.search(r"^execute:\n(?:[ #].*\n|\n)+", config, re.M).group(0)  # the course's own settings
-    assert re.search(r"^\s*execute_notebooks: cache\b", execute, re.M), execute
-    (tmp_path / "_config.yml").write_text(
-        "title: demo\nonly_build_toc_files: true\n"
-        + execute
-        + textwrap.dedent("""
-        sphinx: {extra_extensions: [lessonlib.book.rebuild], config: {nb_execution_raise_on_error: true}}
-    """)
-    )
-    book = tmp_path / "book"
-    (book / "lessons").mkdir(parents=True)
-    (book / "_toc.yml").write_text(
-        "format: jb-book\nroot: index\nchapters:\n  - file: shows\n  - file: runs\n  - file: plain\n"
-    )
-    (book / "index.md").write_text("# index\n")
-    shown = book / "lessons" / "demo.py"
-    shown.write_text('def f():\n    # [start: shown]\n    value = "FIRST"\n    # [end: shown]\n    return value\n')
-    run = book / "lessons" / "other.py"
-    run.write_text('print("OUTPUT ONE")\n')
-    record = tmp_path / "executions.txt"
-    kernel = json.loads((ROOT / "book" / "01_launch.ipynb").read_text())["metadata"]["kernelspec"]
-    note = f"open({str(record)!r}, 'a').write('{{}}\\n')\n"
-    _notebook(
-        book / "shows.ipynb",
-        kernel,
-        "# shows",
-        note.format("shows") + 'import lessonlib\nlessonlib.show_code("lessons/demo.py", "shown")',
-        tags=["remove-input", "lesson-code"],
-    )
-    _notebook(
-        book / "runs.ipynb",
-        kernel,
-        "# runs",
-        note.format("runs") + "import subprocess, sys\n"
-        'print(subprocess.run([sys.executable, "lessons/other.py"], capture_output=True, text=True, '
-        "timeout=60).stdout)",
-    )
-    _notebook(book / "plain.ipynb", kernel, "# plain", note.format("plain") + "print(6 * 7)")
-    html = tmp_path / "_build" / "html"
-
-    def build():
-        """Build; return the chapters executed, in sorted order, and the log."""
-        record.write_text("")
-        log = _build(book)
-        return sorted(record.read_text().split()), log
-
-    executed, log = build()
-    assert executed == ["plain", "runs", "shows"], log[-3000:]
-    report = json.loads((tmp_path / "_build" / "lessonlib-execution.json").read_text())
-    assert report["jobs"] >= 2 and len(report["executed"]) == 3, report  # side by side
-    page = (html / "shows.html").read_text()
-    assert (
-        '<span class="n">value</span> <span class="o">=</span> <span class="s2">&quot;FIRST&quot;</span>' in page
-        or '<span class="n">value</span> <span class="o">=</span> <span class="s2">"FIRST"</span>' in page
-    ), "the shown region is not a Pygments-highlighted code block:\n" + page[page.find("cell_output") :][:800]
-    assert "def f" not in page  # only the region, without the function around it
-    assert "OUTPUT ONE" in (html / "runs.html").read_text()
-
-    assert build()[0] == [], "a rebuild with nothing changed executed chapters"
-
-    nb = json.loads((book / "shows.ipynb").read_text())
-    nb["cells"][0]["source"] = "# shows, its prose edited"
-    (book / "shows.ipynb").write_text(json.dumps(nb))
-    assert build()[0] == [], "a prose edit executed chapters"
-    assert "its prose edited" in (html / "shows.html").read_text()
-
-    shown.write_text(shown.read_text().replace("FIRST", "SECOND"))
-    assert build()[0] == ["shows"], "editing the lesson a chapter shows should execute that chapter alone"
-    assert "SECOND" in (html / "shows.html").read_text() and "FIRST" not in (html / "shows.html").read_text()
-
-    run.write_text('print("OUTPUT TWO")\n')
-    assert build()[0] == ["runs"], "editing the lesson a chapter runs should execute that chapter alone"
-    assert "OUTPUT TWO" in (html / "runs.html").read_text()
-
-    nb = json.loads((book / "plain.ipynb").read_text())
-    nb["cells"][1]["source"] = nb["cells"][1]["source"].replace("6 * 7", "6 * 8")
-    (book / "plain.ipynb").write_text(json.dumps(nb))
-    assert build()[0] == ["plain"], "editing a chapter's code should execute that chapter alone"
-    assert "48" in (html / "plain.html").read_text()
-
-
-@pytest.mark.unit
-def test_a_chapter_that_uses_lessonlib_depends_on_all_of_it():
-    """An edit to any lessonlib module re-executes every chapter that imports lessonlib (and no other)."""
-    from lessonlib.book.rebuild import dependencies
-
-    modules = {p.resolve() for p in (ROOT / "lessonlib").rglob("*.py")}
-    chapter = ROOT / "book" / "02_collectives.ipynb"
-    found = set(dependencies(chapter.read_text(), chapter.parent))
-    assert modules <= found, sorted(modules - found)
-    assert ROOT / "lessons" / "02_collectives.py" in found
-    plain = json.dumps({"cells": [{"cell_type": "code", "source": "print(1)", "metadata": {}, "outputs": []}]})
-    assert dependencies(plain, ROOT / "book") == []

@@ -62,7 +62,8 @@ def test_a_forked_rank_starts_as_a_fresh_one_would(both):
         )
         assert a == b, f"rank {rank}: forked {a}\n  fresh {b}"
         assert (
-            a["lessonlib modules"] == ["lessonlib.launcher._lifeline", "lessonlib.launcher._runfolder"]
+            a["lessonlib modules"]
+            == ["lessonlib.launcher", "lessonlib.launcher._lifeline", "lessonlib.launcher._runfolder"]
             and a["session leader"]
             and a["stdout write_through"]
         )

@@ -341,7 +341,8 @@ def rank_lines(result):
 def status_line(result):
     cmd = command_line(result.script, result.args, result.nproc, result.nnodes)
     if result.ok:
-        return f"ok: {cmd} ({result.world_size} ranks, {result.wall_time:.2f} s)"
+        ranks = f"{result.world_size} rank" + ("" if result.world_size == 1 else "s")
+        return f"ok: {cmd} ({ranks}, {result.wall_time:.2f} s)"
     if result.timed_out:
         what = f"timed out after {result.timeout:g} s"
     elif result.interrupted:
