@@ -5,6 +5,7 @@ TORCH_DISTRIBUTED_DEBUG=DETAIL names the difference.
 
 Options: --bug shapes or --bug order (make the mistake; default: none), --pg-timeout S (default 30).
 Run with TORCH_DISTRIBUTED_DEBUG=DETAIL in the environment to have every collective checked across ranks.
+--time-calls N: then time N all-reduces of one number, and report the mean time per call (what DETAIL costs).
 
 Each rank holds the predictions for its share of an evaluation set and all-reduces a summary of them.
 --bug shapes: each rank all-reduces its raw predictions, and the shares differ in length when the set does not
@@ -18,6 +19,7 @@ The fix for both: every rank calls the same collectives, in the same order, on t
 """
 
 import argparse
+import time
 
 import torch
 import torch.distributed as dist
@@ -55,10 +57,22 @@ def summarize(ctx, bug):
     # [end: fixed]
 
 
+def time_calls(n):
+    """Mean seconds per all-reduce of one number, over n calls (after 5 untimed ones)."""
+    x = torch.zeros(1)
+    for _ in range(5):
+        dist.all_reduce(x)
+    start = time.perf_counter()
+    for _ in range(n):
+        dist.all_reduce(x)
+    return (time.perf_counter() - start) / n
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--bug", choices=BUGS, default="none", help="the mistake to make (default: none)")
     parser.add_argument("--pg-timeout", type=float, default=30.0, help="init_process_group's timeout, seconds")
+    parser.add_argument("--time-calls", type=int, default=0, choices=range(0, 100_001), metavar="0..100000")
     args = parser.parse_args()
     ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)
     got = summarize(ctx, args.bug)
@@ -70,6 +84,10 @@ def main():
         assert got.tolist() == want, f"rank {ctx.rank}: got {got.tolist()}, expected {want}"
         if ctx.is_main:
             print(f"mean prediction over all {want[1]:g}: {want[0] / want[1]:.4f}")
+    if args.time_calls:
+        per_call = time_calls(args.time_calls)
+        lessonlib.report("per_call", per_call)
+        print(f"rank {ctx.rank}: {per_call * 1e6:.0f} us per all-reduce of one number")
     lessonlib.teardown()
 
 
