@@ -2,8 +2,8 @@
 
 Debugging one rank of several: a breakpoint on one rank, a log file per rank, a debugger on every rank.
 
-Options: --steps 3, --pdb-rank R, --log-dir DIR, --debugpy-port P, --pg-timeout SECONDS (default 30, or 1800
-with --pdb-rank or --debugpy-port: time for a person in the debugger).
+Options: --steps 3, --pdb-rank R, --dist-breakpoint R, --log-dir DIR, --debugpy-port P, --pg-timeout SECONDS
+(default 30, or 1800 with --pdb-rank or --debugpy-port: time for a person in the debugger).
 
 Every step, each rank takes its 4 values of the step's global batch, drops the ones that are NaN, and
 all-reduces [sum, count]; the mean must equal the mean of every valid value (asserted). At step 1 the
@@ -11,6 +11,9 @@ last value of the batch, which belongs to the last rank, is NaN.
 --pdb-rank R: rank R calls breakpoint() at step 1, just before the all_reduce, with `rank` and `tensor`
 in scope; the other ranks go on into the all_reduce and wait there, for at most --pg-timeout seconds.
 PYTHONBREAKPOINT=0 turns breakpoint() into a no-op without touching the code.
+--dist-breakpoint R: every rank calls torch.distributed.breakpoint(rank=R) at step 1 instead: rank R stops
+in pdb, the others wait in a barrier, and every group's timeout is first raised to an hour (and stays
+there), so the short --pg-timeout of normal runs does not end the session.
 --log-dir DIR: Python logging to DIR/rank{r}.log, one file per rank, rank 0 at INFO and the others at
 WARNING, as scripts commonly set it up. The NaN warning is only in the last rank's file (asserted).
 --debugpy-port P: rank r listens for a debugger on 127.0.0.1, port P + r, and waits until one attaches
@@ -77,13 +80,17 @@ def wait_for_debugger(port, rank, timeout):
 # [end: debugpy]
 
 
-def step_mean(step, ctx, log, pdb_rank):
+def step_mean(step, ctx, log, pdb_rank, dist_rank=None):
     values = batch(step, ctx.world_size)
     mine = values[ctx.rank * PER_RANK : (ctx.rank + 1) * PER_RANK]
     bad = mine.isnan()
     if bad.any():
         log.warning("step %d: %d of my %d values are NaN, skipped", step, int(bad.sum()), len(mine))
     rank = ctx.rank
+    # [start: dist_breakpoint]
+    if dist_rank is not None and step == 1:
+        dist.breakpoint(rank=dist_rank)  # on every rank: rank dist_rank stops in pdb, the others wait for it
+    # [end: dist_breakpoint]
     # [start: pdb]
     tensor = torch.stack([mine[~bad].sum(), (~bad).sum().double()])  # [sum, count] of my valid values
     if rank == pdb_rank and step == 1:
@@ -98,6 +105,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--steps", type=int, default=3, choices=range(2, 11), metavar="2..10")
     parser.add_argument("--pdb-rank", type=int, help="the rank that stops at breakpoint() at step 1")
+    parser.add_argument("--dist-breakpoint", type=int, help="the rank that stops at dist.breakpoint() at step 1")
     parser.add_argument("--log-dir", help="write DIR/rank{r}.log, one file per rank")
     parser.add_argument("--debugpy-port", type=int, help="rank r waits for a debugger on 127.0.0.1:PORT+r")
     parser.add_argument("--pg-timeout", type=float, help="seconds a collective may wait (30; 1800 when debugging)")
@@ -110,7 +118,7 @@ def main():
     log = rank_logger(args.log_dir, ctx.rank)
     log.info("world size %d, collectives wait at most %g s", ctx.world_size, timeout)
     for step in range(args.steps):
-        got = step_mean(step, ctx, log, args.pdb_rank)
+        got = step_mean(step, ctx, log, args.pdb_rank, args.dist_breakpoint)
         valid = batch(step, ctx.world_size)
         expected = valid[~valid.isnan()].mean().item()
         assert got == expected, f"rank {ctx.rank}: step {step}: mean {got} != {expected}"
