@@ -17,7 +17,6 @@ Debug Adapter Protocol client standing in for VS Code:
 Every run is bounded (lessonlib.launcher.processes.run_bounded: everything it started is killed afterwards).
 """
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+import lessonlib
 from lessonlib.launcher.processes import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,31 +157,6 @@ class Dap:
         self.wait(response=attached)
 
 
-@contextlib.contextmanager
-def consecutive_ports(n):
-    """n free consecutive ports on 127.0.0.1, held (bound with SO_REUSEADDR, not listening) until the end:
-    debugpy sets SO_REUSEADDR too, so it can listen on them meanwhile (see lessonlib.reserve_port)."""
-    for _ in range(50):
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                socks.append(s)
-                s.bind(("127.0.0.1", socks[0].getsockname()[1] + i if i else 0))
-        except OSError:
-            for s in socks:
-                s.close()
-            continue
-        try:
-            yield socks[0].getsockname()[1]
-        finally:
-            for s in socks:
-                s.close()
-        return
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
 def in_thread(fn):
     """Run fn in a thread; returns a dict that holds its result or its exception once the thread ends."""
     out = {}
@@ -230,7 +205,7 @@ def test_one_rank_configuration_debugs_the_rank_under_torchrun(tmp_path):
         rank.wait(response=rank.request("continue", threadId=stopped["threadId"]))
         return stopped["reason"], frames[0]["name"], frames[0]["line"], value["body"]["result"]
 
-    with consecutive_ports(1) as port:
+    with lessonlib.reserve_port() as port:
         client = in_thread(lambda: vscode(port))
         done = run_bounded(
             debugpy_command(c, port, LESSON, wait=True), TIMEOUT, cwd=expand(c["cwd"], LESSON), env=own_tmp(tmp_path)
@@ -253,7 +228,7 @@ def test_ranks_wait_for_a_debugger_on_their_ports_and_go_on_once_attached(tmp_pa
             Dap(base + r, deadline).attach(connect={"host": "127.0.0.1", "port": base + r})
         return nproc
 
-    with consecutive_ports(nproc + 1) as agent_port:
+    with lessonlib.reserve_port(count=nproc + 1) as agent_port:
         base = agent_port + 1
         c = {**c, "args": [str(base) if a == "5678" else a for a in c["args"]]}
         client = in_thread(lambda: vscode(base))
