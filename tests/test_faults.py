@@ -200,6 +200,7 @@ def test_mismatched_shapes_are_named_under_debug_detail(fault_case):
 # (at load 10, a torchrun agent alone takes 7 s to start). Ranks that import torch need longer.
 BOUND = 30
 BOUND_NO_TORCH = 35  # beside the book build, torchrun alone can take over 20 s to start its ranks
+FAIL_AFTER = 10  # test_a_rank_that_ignores_sigterm...: rank 0 fails this long after both ranks are up
 
 
 @pytest.mark.timeout(150)
@@ -225,8 +226,12 @@ def test_barrier_only_rank_0_reaches_shows_every_live_ranks_stack(fault_case):
 def test_a_rank_that_ignores_sigterm_is_killed_at_the_bound(fault_case):
     """Rank 0 fails; torchrun sends rank 1 SIGTERM, which rank 1 ignores (torchrun would wait 30 s before
     its own SIGKILL). The launch's bound strikes first: rank 1's stack is shown, then it is SIGKILLed,
-    and everything is gone within the bound plus a few seconds."""
-    run = fault_case.launch("sleep", "--ignore-sigterm", "1", "--fail-rank", "0", timeout=BOUND_NO_TORCH)
+    and everything is gone within the bound plus a few seconds. Rank 0 fails FAIL_AFTER seconds after
+    both ranks are up, so that torchrun's SIGKILL (30 s later) cannot come before the bound however fast
+    the ranks started, and the failure itself comes before the bound unless they took over 25 s."""
+    run = fault_case.launch(
+        "sleep", "--ignore-sigterm", "1", "--fail-rank", "0", "--fail-after", str(FAIL_AFTER), timeout=BOUND_NO_TORCH
+    )
     text = run.describe_failure()
     assert fault_case.readied() == ["rank0.ready", "rank1.ready"], f"the ranks never got there:\n{text}"
     rank1 = run.ranks[1].pid

@@ -84,6 +84,7 @@ def sleep(rank, world, args):
     if rank == args.fail_rank:
         for other in range(world):
             wait_for(f"rank{other}.ready")
+        time.sleep(args.fail_after)
         raise RuntimeError(f"rank {rank} fails on purpose")
     time.sleep(600)  # FAULT-SLEEP
 
@@ -94,6 +95,7 @@ def main():
     parser.add_argument("--ignore-sigterm", type=int, default=-1, help="this rank ignores SIGTERM")
     parser.add_argument("--grandchild", action="store_true", help="rank 0 starts a process in a session of its own")
     parser.add_argument("--fail-rank", type=int, default=-1, help="this rank raises once every rank is ready")
+    parser.add_argument("--fail-after", type=float, default=0, help="seconds --fail-rank waits, once all are ready")
     parser.add_argument("--lines", type=int, default=3)
     parser.add_argument("--token", default="")
     args = parser.parse_args()
