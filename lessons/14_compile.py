@@ -19,6 +19,9 @@ to the real backend. Asserted:
      the backend is never called (asserted), the model runs eagerly. model.compile() before DDP(model)
      compiles it, one graph per bucket, and keeps the state_dict keys ("module.0.weight", not
      "_orig_mod.module.0.weight" as torch.compile(ddp) names them).
+     A Sequential of blocks whose forward is in your file: those frames are compiled (graphs of a linear
+     and a tanh), the same weights. Layers with a forward hook that appends to a list: Dynamo guards on
+     that list, which every step changes, so it compiles again every step (asserted by the graph count).
   3. bucket_cap_mb below 1 fails under torch.compile: DDPOptimizer asserts that DDP's first bucket
      (1 MiB) is no bigger than the others (the real AssertionError, at the first call).
 The first compiled step's time (the compile) and later steps' are measured and reported, never asserted.
@@ -67,6 +70,27 @@ def sequential():  # the same layers; its forward is torch.nn's own
     return torch.nn.Sequential(
         *[m for _ in range(DEPTH) for m in (torch.nn.Linear(WIDTH, WIDTH, bias=False), torch.nn.Tanh())]
     )
+
+
+class Block(torch.nn.Module):  # a block written in this file, for a Sequential of your own blocks
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self, x):  # in this file: Dynamo compiles this frame, inside the Sequential
+        return torch.tanh(self.linear(x))
+
+
+def user_blocks():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[Block() for _ in range(DEPTH)])
+
+
+def hooked(calls):  # Net with a forward hook on each layer that counts its calls (a Python side effect)
+    net = Net()
+    for layer in net.layers:
+        layer.register_forward_hook(lambda module, args, out: calls.append(1))
+    return net
 
 
 # [end: model]
@@ -162,6 +186,9 @@ def part_sequential(ctx, backend, steps, eager):
     outside = train(ctx, sequential(), "torch.compile(ddp)", backend, steps)  # torch.compile(DDP(Sequential))
     breaks = [reason.splitlines()[0:2] for reason in counters["graph_break"]]  # why Dynamo stopped tracing
     inside = train(ctx, sequential(), "model.compile()", backend, steps)  # compile first, then DDP(model)
+    blocks = train(ctx, user_blocks(), "torch.compile(ddp)", backend, steps)  # a Sequential of your own blocks
+    calls = []
+    hooks = train(ctx, hooked(calls), "torch.compile(ddp)", backend, steps)  # forward hooks on the layers
     # [end: sequential]
     skipped = torch._dynamo.trace_rules.check_verbose(torch.nn.Sequential.forward.__code__)
     assert outside["graphs"] == [] and torch.equal(outside["weights"], eager["weights"]), f"rank {ctx.rank}"
@@ -169,9 +196,16 @@ def part_sequential(ctx, backend, steps, eager):
     assert len(inside["graphs"]) == DEPTH and inside["buckets"][1:] == [DEPTH] * (steps - 1), f"{inside}"
     assert outside["keys"] == ["_orig_mod.module.0.weight"] and inside["keys"] == ["module.0.weight"], ctx.rank
     short = lambda text: re.sub(r"/[^\s`(]*site-packages/", "", " ".join(text.split()))  # noqa: E731
+    # Your own blocks: their forward frames compiled (a linear layer and its tanh each), as eager DDP trains.
+    gap = (blocks["weights"] - eager["weights"]).abs().max().item()  # 0 with aot_eager, below TOL with inductor
+    assert blocks["graphs"] and set(blocks["graphs"]) == {2} and gap <= (0 if backend == "aot_eager" else TOL), gap
+    # A hook appending to a list: Dynamo guards on the list, which every step changes: it compiles again.
+    assert len(calls) == DEPTH * steps and len(hooks["graphs"]) >= DEPTH * (steps - 1), f"{hooks['graphs']}"
     return {
         "torch.compile(DDP(Sequential))": summary(outside, eager),
         "Sequential.compile(), then DDP": summary(inside, eager),
+        "torch.compile(DDP(Sequential of Blocks))": summary(blocks, eager),
+        "torch.compile(DDP(Net with forward hooks))": {**summary(hooks, eager), "hook calls": len(calls)},
         "graph breaks": [short(" ".join(b)) for b in breaks],
         "why Sequential.forward is skipped": short(skipped.reason),
     }

@@ -3,7 +3,7 @@
 DDP communication hooks: count what a bucket sends, compress it, and measure what compression costs.
 
 Options: --steps 6, --rank 1 (PowerSGD's matrix_approximation_rank), --repeats 10 (part 3), --pg-timeout S
-(default 30); --powersgd-buckets 2 runs the pitfall below instead.
+(default 30).
 
 DDP calls hook(state, bucket) once per bucket and waits for the Future it returns, whose value must be ONE
 tensor of the bucket's shape: the averaged gradients. The model: a float32 MLP, 2 buckets from step 1 on.
@@ -20,14 +20,13 @@ tensor of the bucket's shape: the averaged gradients. The model: a float32 MLP, 
      that never communicates (no error: at N > 1 the replicas part, asserted); start_powerSGD_iter=1 with
      error feedback (ValueError); batched_powerSGD_hook (an AssertionError inside torch 2.14.1).
   3. Error feedback alone: the same batch --repeats times, no optimizer step. The mean of what PowerSGD
-     delivered approaches the true gradient with error feedback and stalls without (asserted).
---powersgd-buckets 2: PowerSGD's callbacks wait for its next all-reduces inside gloo's worker threads, and
-with 2 buckets the ranks deadlock (a faulthandler watchdog of --pg-timeout s ends it, with the stacks) or
-start the buckets' all-reduces in different orders (gloo aborts). So PowerSGD gets one bucket here.
+     delivered approaches the true gradient with error feedback and stalls without (asserted). What
+     PowerSGD keeps between steps, measured (lessonlib.sharding.held): error feedback, one tensor per
+     bucket, exactly the gradients' bytes; warm start, the factors P and Q of each matrix.
+PowerSGD gets one bucket here: on gloo, two or more fail (lessons/14_powersgd_gloo.py).
 """
 
 import argparse
-import faulthandler
 import os
 import traceback
 
@@ -44,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lessonlib
 from lessonlib.exercises import load_function
-from lessonlib.sharding import Traffic
+from lessonlib.sharding import Traffic, held
 from lessonlib.training import flat_params, gather, my_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -245,23 +244,15 @@ def feedback(ctx, rank, error_feedback, repeats, cap=ONE_BUCKET):
             continue
         total = total + grad
         gaps.append(((total / (i - START + 1) - true).norm() / true.norm()).item())
-    return gaps
+    kept = {  # what PowerSGD holds between steps, each storage counted once
+        "error feedback": held(list(state.error_dict.values())),
+        "warm start (P and Q)": held([*state.p_memory_dict.values(), *state.q_memory_dict.values()]),
+        "gradients": sum(p.numel() * p.element_size() for p in ddp.parameters()),
+    }
+    return gaps, kept
 
 
 # [end: error_feedback]
-
-
-def two_buckets(ctx, rank, watchdog):  # the pitfall in the docstring
-    (hook, state), ddp = powersgd(rank, True), DDP(model(), bucket_cap_mb=CAP_MB)
-    ddp.register_comm_hook(state, hook)
-    x, y = batch(0, ctx.world_size, ctx.rank)
-    for i in range(50):
-        if i == START:  # compression starts: from here on, a hang ends with every thread's stack, exit 1
-            faulthandler.dump_traceback_later(watchdog, exit=True)
-        ddp.zero_grad()
-        F.mse_loss(ddp(x), y).backward()
-    faulthandler.cancel_dump_traceback_later()
-    print(f"rank {ctx.rank}: 50 backward passes with two buckets ended normally this time")
 
 
 def main():
@@ -269,22 +260,19 @@ def main():
     parser.add_argument("--steps", type=int, default=6, choices=range(START + 2, 101), metavar=f"{START + 2}..100")
     parser.add_argument("--rank", type=int, default=1, choices=range(1, 9), metavar="1..8")
     parser.add_argument("--repeats", type=int, default=10, choices=range(4, 101), metavar="4..100")
-    parser.add_argument("--powersgd-buckets", type=int, default=1, choices=[1, 2], help="2: the pitfall")
     parser.add_argument("--pg-timeout", type=float, default=30, help="seconds a collective waits")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per rank, as torchrun arranges when it starts several
     ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)
-    if args.powersgd_buckets == 2:  # the timeout does not end this hang: gloo's threads wait on each other
-        two_buckets(ctx, args.rank, watchdog=args.pg_timeout)
-        return lessonlib.teardown()
     rows = part_hooks(ctx, args.steps, args.rank)
     broken = failures(ctx, args.rank)
-    with_ef, without = (feedback(ctx, args.rank, ef, args.repeats) for ef in (True, False))
+    (with_ef, kept), (without, kept_without) = (feedback(ctx, args.rank, ef, args.repeats) for ef in (True, False))
     assert with_ef[-1] < 0.75 * without[-1] and with_ef[-1] < with_ef[0] / 1.5, f"rank {ctx.rank}: {with_ef} {without}"
+    assert kept["error feedback"] == kept["gradients"] and kept_without["error feedback"] == 0, f"{kept} {kept_without}"
     if ctx.is_main:
         lessonlib.report("hooks", rows)
         lessonlib.report("failures", broken)
-        lessonlib.report("feedback", {"with": with_ef, "without": without, "rank": args.rank})
+        lessonlib.report("feedback", {"with": with_ef, "without": without, "rank": args.rank, "kept": kept})
         for r in rows:
             gap = r.get("weight gap (relative)", float("nan"))
             print(f"{r['hook']:33} {r.get('vs no hook', 'refused')!s:>7} of DDP's bytes, weights {gap:.1e} off")
