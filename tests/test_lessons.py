@@ -74,10 +74,16 @@ BOOK_PANEL = re.compile(
 )
 
 
+# A plain command a chapter runs as written and asserts on: chapter 11's `run_python("lessons/X.py", ...)`
+# followed by `assert code == 0`, which is the command `python lessons/X.py ...` run from the course root.
+BOOK_PYTHON = re.compile(r'run_python\(\s*"lessons/(\w+)\.py"((?:,\s*"[^"]*")*)\s*\)\n[^\n]*\n?assert code == 0\b')
+
+
 def book_runs():
-    """{(lesson stem, world size): notebook} for the launches in chapters listed in book/_toc.yml."""
+    """{(lesson stem, world size): notebook} for the launches in chapters listed in book/_toc.yml, and
+    {command: notebook} for the plain `python lessons/X.py ...` commands they run (BOOK_PYTHON)."""
     toc = (ROOT / "book" / "_toc.yml").read_text()
-    runs = {}
+    runs, commands = {}, {}
     for stem in re.findall(r"^\s*-\s*file:\s*(\S+)", toc, re.M):
         notebook = ROOT / "book" / f"{stem}.ipynb"
         if not notebook.exists():
@@ -91,10 +97,13 @@ def book_runs():
                     if name == loop_name:
                         for n in re.findall(r"\d+", sizes):
                             runs.setdefault((lesson, int(n)), notebook.name)
-    return runs
+                for lesson, args in BOOK_PYTHON.findall(source):
+                    command = " ".join([f"python lessons/{lesson}.py", *re.findall(r'"([^"]*)"', args)])
+                    commands.setdefault(command, notebook.name)
+    return runs, commands
 
 
-BOOK_RUNS = book_runs()
+BOOK_RUNS, BOOK_COMMANDS = book_runs()
 
 
 def kind_of(lesson):
@@ -105,6 +114,14 @@ def kind_of(lesson):
 def command_world_size(lesson):
     """The world size the lesson's command runs it at (1 when it names none)."""
     return terminal.nproc_of(command_of(lesson)) or 1
+
+
+@pytest.mark.unit
+def test_the_book_runs_that_stand_for_test_runs_are_found():
+    """The skips below rest on reading the chapters: a pattern that stopped matching would run everything
+    twice, silently. Two runs the chapters are known to make must be found."""
+    assert BOOK_RUNS.get(("14_hooks", 4)) == "14_cheaper.ipynb", sorted(BOOK_RUNS)
+    assert BOOK_COMMANDS.get("python lessons/11_spawn.py --world-size 2") == "11_end_to_end.ipynb", BOOK_COMMANDS
 
 
 def test_lessons_are_found():
@@ -174,6 +191,8 @@ def test_docstring_command_runs(lesson, request, tmp_path):
             f"the book build runs it: {chapter} launches {lesson.name} at {command_world_size(lesson)} "
             f"ranks under torchrun with default options, as `{command}` does"
         )
+    if command in BOOK_COMMANDS and any(item.name == BOOK_TEST for item in request.session.items):
+        pytest.skip(f"the book build runs it: {BOOK_COMMANDS[command]} runs `{command}` and asserts it exits 0")
     code, out = run_command(command, tmp_path)
     assert code == 0, f"`{command}` (the first line of {lesson.name}'s docstring) exited {code}:\n{out[-5000:]}"
 
