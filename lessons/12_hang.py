@@ -23,6 +23,7 @@ import faulthandler
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -105,6 +106,18 @@ def main():
     ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)
     print(f"rank {ctx.rank}: pid {os.getpid()}", flush=True)
     timeout = datetime.timedelta(seconds=args.pg_timeout)
+    if args.monitored:  # what monitored_barrier costs when every rank comes, against barrier: 20 of each
+        cost = {}
+        for name, wait in (
+            ("barrier", dist.barrier),
+            ("monitored_barrier", lambda: dist.monitored_barrier(timeout=timeout)),
+        ):
+            wait()  # once before timing
+            start = time.perf_counter()
+            for _ in range(20):
+                wait()
+            cost[name] = round((time.perf_counter() - start) / 20 * 1e6)  # microseconds each
+        lessonlib.report("barrier cost", cost)
     expected_correct = sum(1 for i in range(100) if i % 3)
     for epoch in range(args.epochs):
         # [start: watchdog]

@@ -48,16 +48,18 @@ def tracked_notebooks():
     return sorted(found)
 
 
-def build_book(book_dir, timeout=BUILD_TIMEOUT, output=None, fresh=True):
+def build_book(book_dir, timeout=BUILD_TIMEOUT, output=None, fresh=True, tmpdir=None):
     """Run `jupyter-book build` (warnings as errors) in its own session; kill the whole tree on timeout.
 
     `output`: the folder that gets _build/ (--path-output), instead of the book's config folder.
     `fresh`: read every source again (--all), as a first build does.
+    `tmpdir`: the build's TMPDIR (every chapter's kernel and every rank inherit it), to see what is left.
     """
     cmd = [str(JUPYTER_BOOK), "build", str(book_dir), "-W", "-n", "--keep-going"]
     cmd += ["--all"] if fresh else []
     cmd += ["--path-output", str(output)] if output is not None else []
-    done = run_bounded(cmd, timeout, cwd=ROOT)
+    env = {**os.environ, "TMPDIR": str(tmpdir)} if tmpdir is not None else None
+    done = run_bounded(cmd, timeout, cwd=ROOT, env=env)
     if done.timed_out:
         pytest.fail(f"jupyter-book build {book_dir} did not finish in {timeout} s:\n{done.output[-5000:]}")
     return done.returncode, ANSI.sub("", done.output)
@@ -103,6 +105,7 @@ class BookBuild:
     returncode: int | None = None  # of `jupyter-book build`
     log: str = ""
     html: Path | None = None  # the built book's _build/html
+    left_in_tmp: list = field(default_factory=list)  # what the build left in its own TMPDIR
 
     @property
     def ok(self):
@@ -122,7 +125,10 @@ def execute_and_build(folder):
     build = BookBuild(tracked_notebooks())
     config = (ROOT / "_config.yml").read_text()
     assert re.search(r"^\s*execute_notebooks: cache\b", config, re.M), "_config.yml no longer uses the cache"
-    build.returncode, build.log = build_book(ROOT / "book", output=folder)
+    scratch = folder / "tmp"  # the build's own TMPDIR: whatever a chapter leaves in it is found afterwards
+    scratch.mkdir()
+    build.returncode, build.log = build_book(ROOT / "book", output=folder, tmpdir=scratch)
+    build.left_in_tmp = sorted(p.name for p in scratch.iterdir())
     report_path = folder / "_build" / "lessonlib-execution.json"
     if report_path.exists():
         report = json.loads(report_path.read_text())
@@ -149,6 +155,9 @@ def test_book_builds_and_executes_every_chapter(built_book, capsys):
             print(f"  {path.relative_to(ROOT)}: {seconds:.1f} s" + (f" (slowest: {cells})" if cells else ""))
     assert not book.failures, "\n\n".join(book.failures.values())
     assert book.returncode == 0, explain_failure(book.log)
+    # Every chapter removes what it made outside the repository: torchrun's log folders, run folders,
+    # compiler caches, checkpoints. The whole build ran with a TMPDIR of its own, now empty.
+    assert book.left_in_tmp == [], f"the book build left these in its TMPDIR: {book.left_in_tmp}"
     for path in book.notebooks:
         page = book.html / f"{path.stem}.html"
         assert page.exists(), f"{page} was not written"
