@@ -159,7 +159,8 @@ def part_hooks(ctx, steps, rank):
     if plain["sent"][0] is None:
         print(f"rank {ctx.rank}: /proc/self/io is missing (not Linux): byte assertions skipped")
     elif ctx.world_size == 1:
-        assert all(s == 0 for r in runs.values() for s in r["sent"]), f"rank 0: one rank sent {runs}"
+        # From START, as below: a first step may write once to a file or a pipe (23 bytes, torch 2.11 on a GPU machine)
+        assert all(s == 0 for r in runs.values() for s in r["sent"][START:]), f"rank 0: one rank sent {runs}"
     else:
         ratio = {k: r["vs no hook"] for k, r in by.items()}
         assert abs(ratio["counting_hook"] - 1) < TOL_BYTES, f"rank {ctx.rank}: {ratio}"
