@@ -25,7 +25,8 @@ to the real backend. Asserted:
   3. bucket_cap_mb below 1 fails under torch.compile: DDPOptimizer asserts that DDP's first bucket
      (1 MiB) is no bigger than the others (the real AssertionError, at the first call).
 The first compiled step's time (the compile) and later steps' are measured and reported, never asserted.
-Compiler caches go to a temporary folder, removed at the end (TORCHINDUCTOR_CACHE_DIR).
+Compiler caches go to a temporary folder, removed at the end (TORCHINDUCTOR_CACHE_DIR, and TMPDIR for inductor's
+precompiled headers, which go to the temporary folder whatever TORCHINDUCTOR_CACHE_DIR says).
 """
 
 import argparse
@@ -39,14 +40,22 @@ import statistics
 import tempfile
 import time
 
-import torch
-import torch.nn.functional as F
-from torch._dynamo.backends.registry import lookup_backend
-from torch._dynamo.utils import counters
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.nn.parallel import DistributedDataParallel as DDP
+# The compilers' caches (inductor's, and AOTAutograd's) go to a folder of this process's, removed at the end,
+# set before torch is imported (inductor's compile workers read it when they start). Inductor's precompiled
+# C++ headers ignore TORCHINDUCTOR_CACHE_DIR: they go to <temporary folder>/torchinductor_<user> (torch/_inductor/
+# codecache.py), so this process's temporary folder is the same one.
+CACHE = tempfile.mkdtemp(prefix="ch14-compile-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["TMPDIR"] = CACHE
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
-import lessonlib
+import torch  # noqa: E402 - after the cache folder is chosen
+import torch.nn.functional as F  # noqa: E402
+from torch._dynamo.backends.registry import lookup_backend  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import lessonlib  # noqa: E402
 
 WIDTH, DEPTH, ROWS = 512, 4, 8
 TOL = 1e-5  # inductor, largest absolute weight gap to eager (measured: 7e-9 at 2 ranks)
@@ -230,15 +239,13 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per rank, as torchrun arranges when it starts several
     ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)
-    cache = tempfile.mkdtemp(prefix="ch14-compile-")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # this process's compiler caches, removed below
     torch._logging.set_logs(dynamo=logging.ERROR)  # Dynamo's warnings about DDP's profiler calls, not ours
     try:
         buckets, eager = part_buckets(ctx, args.backend, args.steps)
         pitfall = part_sequential(ctx, args.backend, args.steps, eager)
         small_cap = part_small_cap(ctx, args.backend)
     finally:
-        shutil.rmtree(cache, ignore_errors=True)
+        shutil.rmtree(CACHE, ignore_errors=True)
     if ctx.is_main:
         lessonlib.report("buckets", {"backend": args.backend, **buckets})
         lessonlib.report("sequential", pitfall)
@@ -258,4 +265,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # on every way out, bad arguments included
+        shutil.rmtree(CACHE, ignore_errors=True)

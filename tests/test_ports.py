@@ -6,6 +6,7 @@ import socket
 import pytest
 
 import lessonlib
+from lessonlib.launcher.ports import _bound
 
 pytestmark = pytest.mark.unit
 
@@ -29,6 +30,22 @@ def test_every_reserved_port_is_held_until_the_block_ends(count):
             s.bind(("127.0.0.1", base + count - 1))
             s.listen()
     assert [plain_bind(base + k) for k in range(count)] == [0] * count
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_port_another_reservation_holds_is_never_taken_again(count):
+    """Two sockets that both set SO_REUSEADDR before binding may bind one port, neither listening: the
+    hazard, shown first. reserve_port's sockets bind first and set SO_REUSEADDR after, so a port that
+    another reservation holds refuses them (ports k >= 1 of count=N are bound by number, not by the kernel)."""
+    with lessonlib.reserve_port(count=count) as base:
+        last = base + count - 1
+        with socket.socket() as eager:  # SO_REUSEADDR first, then bind: it gets the held port too
+            eager.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            eager.bind(("127.0.0.1", last))
+        for port in range(base, base + count):
+            with pytest.raises(OSError) as refused:
+                _bound("127.0.0.1", port).close()
+            assert refused.value.errno == errno.EADDRINUSE
 
 
 def test_a_bad_count_is_refused():

@@ -16,10 +16,16 @@ TRIES = 50  # attempts at finding `count` consecutive free ports before giving u
 
 
 def _bound(host, port):
+    """A socket bound to `port` (0: any free one) that no other socket held, then open to SO_REUSEADDR.
+
+    The bind comes first, without SO_REUSEADDR, so it fails if any socket at all holds the port, another
+    reservation's included (two sockets that both set SO_REUSEADDR may bind one port, neither listening).
+    SO_REUSEADDR is set afterwards, so that a server that sets it too can still listen there.
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     except OSError:
         sock.close()
         raise
