@@ -32,15 +32,16 @@ lab: $(STAMP)
 book: $(STAMP)
 	$(BIN)/jupyter-book build book -W -n --keep-going
 
-# Tests run in parallel, one pytest worker per CPU plus one, up to 4: ranks spend part of their time
-# waiting (on each other, on the short timeouts the pitfalls show), and the spare worker fills it. On
-# CI's 2 cores, sampled every 15 s, both were 190-200% busy but for the last two minutes. And
+# Tests run in parallel, one pytest worker per CPU plus two, up to 4: ranks spend part of their time
+# waiting (on each other, on the short timeouts the pitfalls show), and the spare workers fill it. On a
+# quiet 2-core machine, the whole suite took 657 s with 3 workers (1.78 cores busy on average) and 610 s
+# with 4 (1.91), for the same CPU time. And
 # the book test (one long test, which itself executes two chapters at a time: BOOK_JOBS) runs beside the
 # lessons instead of after them. The browser tests (tests/test_browser.py) open the pages that the book
 # test built: --dist loadgroup keeps the tests of xdist group "book" on one worker, one after the other,
 # so the book is executed and built once. JOBS=1 runs the tests serially. The 15 slowest tests are listed
 # at the end (--durations), so that drift in CI's time shows where it comes from.
-JOBS ?= $(shell n=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2); n=$$((n + 1)); [ $$n -gt 4 ] && n=4; echo $$n)
+JOBS ?= $(shell n=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2); n=$$((n + 2)); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup --durations=15 tests

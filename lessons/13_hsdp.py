@@ -22,6 +22,7 @@ The ring model's figure is reported beside it: the all-gathers and reduce-scatte
 """
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -73,13 +74,13 @@ def main():
     parser.add_argument("--steps", type=int, default=3, choices=range(1, 51), metavar="1..50")
     parser.add_argument("--pg-timeout", type=float, help="seconds a collective may wait (default 30)")
     args = parser.parse_args()
+    n = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; 1 under plain python. Checked before anything starts
+    shard = args.shard or (2 if n % 2 == 0 else n)
+    if n % shard:
+        parser.error(f"--shard {shard} does not divide the world size {n}: pick one of its divisors")
     torch.set_num_threads(1)
     ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout or 30)
     n, rank = ctx.world_size, ctx.rank
-    shard = args.shard or (2 if n % 2 == 0 else n)
-    if n % shard:
-        lessonlib.teardown()
-        parser.error(f"--shard {shard} does not divide the world size {n}: pick one of its divisors")
     replicas = n // shard
     net, mesh = hsdp(blocks(args.blocks, args.width), n, shard)
     shard_group = dist.get_process_group_ranks(mesh.get_group("shard"))
