@@ -96,14 +96,12 @@ def main():
         gap = (mine["grads"] - mean).abs().max().item()
         assert gap < TOL, f"rank {rank}: {way}: gradients {gap:.1e} from the mean of the ranks' own"
         seen[way] = {"grads": mine["grads"], "stats": mine["stats"], "own stats": own[rank]["stats"], "gap": gap}
-    # [start: stats]
     # What DDP's broadcast before the second forward leaves: rank 0's statistics after its real rows,
     # then this rank's fake rows on top.
     m = model()
     m(rows(0)[0])  # rank 0's first forward: its statistics after the real rows
     m(rows(rank)[1])  # this rank's second forward, starting from those
     expected = flat(m[1].running_mean)
-    # [end: stats]
     for way in ("twice", "no_grad"):
         got = seen[way]["stats"]
         assert torch.allclose(got, expected, atol=TOL), f"rank {rank}: {way}: statistics not rank 0's + own fake rows"
