@@ -10,7 +10,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup book lab test unit bench format clean
 # The kernel every chapter names in its metadata (kernelspec.name), so Jupyter and VS Code pick .venv's
-# Python. Registered inside .venv (--sys-prefix): nothing is written outside the checkout.
+# Python. Registered inside .venv (--sys-prefix): nothing is written outside the checkout (ipykernel
+# leaves an empty tmp*_kernels folder in TMPDIR, so it gets a TMPDIR of its own, removed after).
 KERNEL := dp-course
 
 setup: $(STAMP)
@@ -20,7 +21,8 @@ $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	$(BIN)/python -c "import torch, torchvision, lessonlib; print('torch', torch.__version__, '| torchvision', torchvision.__version__)"
-	$(BIN)/python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python (dp-course .venv)" >/dev/null
+	t=$$(mktemp -d) && TMPDIR=$$t $(BIN)/python -m ipykernel install --sys-prefix --name $(KERNEL) \
+		--display-name "Python (dp-course .venv)" >/dev/null; s=$$?; rm -rf $$t; exit $$s
 	touch $(STAMP)
 
 # JupyterLab on 127.0.0.1 (it prints the URL with its token), opened on the chapters. As root (a
