@@ -260,9 +260,15 @@ def test_a_book_build_stopped_mid_chapter_leaves_no_process_behind(tmp_path, sig
             time.sleep(0.5)
         left = [" ".join(p.cmdline())[:150] for p in marked_processes(BOUNDED_VAR, mark)]
         assert not left, f"{len(left)} process(es) of the build outlived it by 30 s: {left}"
+        # The launch's run folder (lessonlib-<id>-*) goes with its processes; after SIGTERM the build's
+        # own scratch folder too (after SIGKILL nothing runs in the build to remove that one).
+        runs = lambda: [p.name for p in scratch.glob("lessonlib-*") if not p.name.startswith("lessonlib-book-")]  # noqa: E731
+        while runs() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not runs(), f"the launch's run folder outlived it: {sorted(p.name for p in scratch.iterdir())}"
         if sig == signal.SIGTERM:
             assert build.returncode == -signal.SIGTERM, build.returncode
-            assert not list(scratch.glob("lessonlib-book-*")), "the build left its scratch folder"
+            assert sorted(p.name for p in scratch.iterdir()) == [], f"left in TMPDIR: {list(scratch.iterdir())}"
     finally:
         if build.poll() is None:
             os.killpg(build.pid, signal.SIGKILL)

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..launcher.processes import kill_session, marked_environment, sigterm_cleans_up
+from ..launcher.processes import BOUNDED_VAR, kill_session, marked_environment, marked_processes, sigterm_cleans_up
 from ..launcher.spec import ROOT, find_script
 
 LESSON_PATH = re.compile(r"""["']((?:\.\./)?lessons/[\w./-]+\.py)["']""")
@@ -146,12 +146,33 @@ def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print):
         try:
             _execute_all(list(paths), running, done, cell_timeout, jobs, timeout, log)
         except BaseException:
-            for executor in running.values():
-                kill_session(executor.proc, executor.mark)  # the executor, its kernel, the kernel's launches
-                executor.log.close()
+            stop_executors(running.values())
             shutil.rmtree(done.scratch, ignore_errors=True)
             raise
     return done
+
+
+STOP_GRACE = 20  # seconds an interrupted build gives its executors' kernels and launches to end by themselves
+
+
+def stop_executors(executors):
+    """End executors of an interrupted build: each its own way first, then by force.
+
+    SIGTERM to the executor alone, as Linux sends it when the build dies (PDEATHSIG): its kernel ends
+    when its parent does, and each launch of that kernel then ends itself, removing its run folder in
+    the temporary folder (lessonlib.launcher._agent_main). Killing them all at once would leave those
+    folders behind. After STOP_GRACE seconds, whatever is left is killed: the executor, its kernel, the
+    kernel's launches."""
+    executors = list(executors)
+    for executor in executors:
+        if executor.proc.poll() is None:
+            executor.proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE
+    while time.monotonic() < deadline and any(marked_processes(BOUNDED_VAR, e.mark) for e in executors):
+        time.sleep(0.2)
+    for executor in executors:
+        kill_session(executor.proc, executor.mark)
+        executor.log.close()
 
 
 def _execute_all(pending, running, done, cell_timeout, jobs, timeout, log):
