@@ -23,6 +23,7 @@ all-gather and no buffer, only whole weights swapped in (asserted).
 """
 
 import argparse
+import os
 import weakref
 
 import torch
@@ -33,7 +34,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lessonlib
+from lessonlib.exercises import load_function
 from lessonlib.sharding import Traffic
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+blocks = load_function(os.path.join(HERE, "13_fsdp_practice.py"), "blocks")
 
 ROWS, LR = 4, 0.1  # rows per rank and step; SGD's rate
 TOL = 0.02  # bytes sent, prefetch against default: gloo's headers, the same messages in another order
@@ -41,10 +46,7 @@ TOL = 0.02  # bytes sent, prefetch against default: gloo's headers, the same mes
 
 # [start: prefetch]
 def build(n_blocks, width, world_size, ahead):
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(n_blocks)]
-    )
+    net = blocks(n_blocks, width)  # chapter 13's blocks: Linear + ReLU each
     mesh = init_device_mesh("cpu", (world_size,))
     for block in net:
         fully_shard(block, mesh=mesh)
