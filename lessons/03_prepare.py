@@ -196,6 +196,7 @@ def cases(base, ctx):
             dist.barrier()
             loaded, error = attempt(lambda f=folder, w=who: prepare_once(f, ctx, node_local=(w == "local rank 0")))
             ok = error is None and torch.equal(loaded[0]["x"], torch.load(io.BytesIO(expected))["x"])
+            error = error and error.replace(str(base), "<folder>")
             row = gathered({"node": ctx.group_rank, "prepared": bool(loaded and loaded[1]), "ok": ok, "error": error})
             rows[f"{who} prepares, {'a disk per node' if node_local else 'one shared folder'}"] = row
     for key, row in rows.items():
