@@ -155,7 +155,7 @@ def part_sharded(ctx, model, args, full, full_time):
     assert abs(mse - full_mse) <= 1e-12 * full_mse, f"rank {ctx.rank}: sharded mse {mse} != rank 0's {full_mse}"
     bound = full_time * (1 / ctx.world_size + 0.25)
     assert total < bound, f"rank {ctx.rank}: sharded evaluation took {total:.2f} s, rank 0 alone {full_time:.2f} s"
-    assert total - busy < 0.5, f"rank {ctx.rank}: waited {total - busy:.2f} s for the others"
+    assert total - busy < 1.0, f"rank {ctx.rank}: waited {total - busy:.2f} s for the others"
     if ctx.is_main:
         print(f"sharded over {ctx.world_size}: {total:.2f} s (rank 0 alone: {full_time:.2f} s); mse {mse:.6f}")
 
@@ -214,7 +214,7 @@ def part_save(ctx, args, folder):
     # [end: train_on]
     dist.destroy_process_group(wait_group)
     mine = {"max step": max(steps), "mean step": sum(steps) / len(steps), "total": time.perf_counter() - start}
-    assert mine["max step"] < STEP_TIME + 0.5, f"rank {ctx.rank}: a step took {mine['max step']:.2f} s"
+    assert mine["max step"] < STEP_TIME + 1.0, f"rank {ctx.rank}: a step took {mine['max step']:.2f} s"
     if ctx.is_main:
         loaded = torch.load(path, weights_only=True)
         expected = torch.load(io.BytesIO(saved), weights_only=True)
