@@ -1,0 +1,219 @@
+"""torchrun --nproc_per_node=2 lessons/15_overlap_ddp.py
+
+OverlappedDDP(module): each gradient's all-reduce starts inside backward(), the moment that gradient is ready.
+
+Options: --layers 6, --width 128, --batch 256 (the timed model), --steps 3 (timed steps), --pg-timeout S.
+
+NaiveDDP (lessons/15_naive_ddp.py) waits for backward() to end, then sends every gradient. OverlappedDDP
+registers a post-accumulate-grad hook on every trainable parameter: autograd calls it once that
+parameter's .grad holds its final sum, and the hook starts an asynchronous all-reduce (async_op=True)
+and keeps its handle; finish_gradient_synchronization() waits for every handle and divides by N.
+Asserted, on every rank:
+1. On TiedNet (float64, tied, frozen, buffers; each rank its own seed) OverlappedDDP's gradients at
+   every step and its weights after 3 SGD steps equal one process on every rank's rows, NaiveDDP and
+   torch's DDP within TOL; the tied weight gets one hook, so it is sent once (payload = trainable bytes).
+2. A timeline, chapter 7's way, on a float32 stack of Linear + Tanh layers, NaiveDDP and OverlappedDDP
+   alternating step by step (one warm-up step each): every all-reduce of OverlappedDDP is launched
+   inside backward(), the first one before the last gradient exists, and in the same order on every
+   rank. gloo pairs collectives by the order each rank issues them, so that order must match: the same
+   model and graph make autograd run the hooks in the same order everywhere. A rank whose graph differs
+   (a branch only it takes) would pair one parameter's all-reduce with another's: an error if the sizes
+   differ, silently mixed gradients if they do not.
+Measured, not asserted (a 2-core machine is noisy): communication exposed after backward() (from its end
+to finish's return), against NaiveDDP's, and the share of the in-flight time inside backward().
+"""
+
+import argparse
+import importlib.util
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lessonlib
+from lessonlib.sharding import Traffic
+from lessonlib.training import gather, max_gap
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def lesson(stem):
+    """Another lesson of this chapter, as a module: its classes and functions, without running its main()."""
+    spec = importlib.util.spec_from_file_location(stem, os.path.join(HERE, f"{stem}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+naive = lesson("15_naive_ddp")  # NaiveDDP, TiedNet and the float64 training both lessons compare
+NaiveDDP, TiedNet, train, grad_gap, TOL = naive.NaiveDDP, naive.TiedNet, naive.train, naive.grad_gap, naive.TOL
+WARMUP = 1
+
+
+# [start: overlapped]
+class OverlappedDDP(NaiveDDP):  # NaiveDDP's __init__ broadcasts rank 0's parameters and buffers
+    """Each gradient's all-reduce starts in backward(), as soon as autograd has finished that gradient."""
+
+    def __init__(self, module):
+        super().__init__(module)
+        self.handles = []  # (parameter, work) for every all-reduce started this step
+        for p in module.parameters():  # each tensor once: a tied weight gets one hook
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._launch)
+
+    def _launch(self, p):  # autograd calls this once p.grad holds its sum over every use of p
+        self.handles.append((p, dist.all_reduce(p.grad, async_op=True)))
+
+    def finish_gradient_synchronization(self):
+        n = dist.get_world_size()
+        for p, work in self.handles:
+            work.wait()  # bounded by the process group's timeout
+            p.grad /= n
+        self.handles.clear()
+
+
+# [end: overlapped]
+
+
+def stack(layers, width):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.Tanh())])
+
+
+# [start: watch]
+def watch(ddp):
+    """A log of one step: when each gradient was ready, each all-reduce launched and done (perf_counter).
+    Hooks added after the wrapper's run right after it: a new entry in ddp.handles is one it just launched."""
+    log = {"ready": [], "comm": []}
+    index = {id(p): i for i, p in enumerate(ddp.module.parameters())}
+
+    def seen(p):
+        now = time.perf_counter()
+        log["ready"].append((index[id(p)], now))
+        for handle in getattr(ddp, "handles", [])[len(log["comm"]) :]:  # NaiveDDP has none
+            # What was sent (a parameter's index, or a bucket's), and when; the done time is stamped by
+            # gloo's thread when the all-reduce completes.
+            row = {"what": handle[0] if isinstance(handle[0], int) else index[id(handle[0])], "launch": now}
+            row["stamped"] = handle[-1].get_future().then(lambda _, row=row: row.update(done=time.perf_counter()))
+            log["comm"].append(row)
+
+    for p in ddp.module.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(seen)
+    return log
+
+
+# [end: watch]
+
+
+def timed_step(ddp, log, x, y):
+    """One forward/backward/finish, its events in ms from the start of backward()."""
+    log["ready"].clear(), log["comm"].clear()
+    if hasattr(ddp, "on_train_batch_start"):
+        ddp.on_train_batch_start()
+    ddp.zero_grad()
+    loss = F.mse_loss(ddp(x), y)
+    dist.barrier()  # every rank starts its backward together
+    start = time.perf_counter()
+    loss.backward()
+    end = time.perf_counter()
+    ddp.finish_gradient_synchronization()
+    finish = time.perf_counter()
+    ms = lambda t: (t - start) * 1e3  # noqa: E731
+    for row in log["comm"]:
+        row.pop("stamped").wait()
+    comm = [(ms(r["launch"]), ms(r["done"]), r["what"]) for r in log["comm"]] or [(ms(end), ms(finish), None)]
+    return {
+        "backward_ms": ms(end),
+        "finish_ms": ms(finish),
+        "ready": [(i, ms(t)) for i, t in log["ready"]],
+        "comm": comm,
+    }
+
+
+def overlap(step):
+    """ms with an all-reduce in flight (the union of launch..done), the part inside backward(), and the
+    ms exposed: from the end of backward() to the return of finish_gradient_synchronization()."""
+    busy, inside, reach = 0.0, 0.0, -1.0
+    for a, b, _ in sorted(step["comm"], key=lambda c: c[0]):
+        a = max(a, reach)
+        if b > a:
+            busy += b - a
+            inside += max(0.0, min(b, step["backward_ms"]) - a)
+            reach = b
+    return {"in flight": busy, "inside backward": inside, "exposed": step["finish_ms"] - step["backward_ms"]}
+
+
+def check_tied(ctx, want):
+    """OverlappedDDP on TiedNet against one process, NaiveDDP and torch's DDP: the largest gap."""
+    n, rank = ctx.world_size, ctx.rank
+    ddp = OverlappedDDP(TiedNet(seed=rank))
+    with Traffic() as traffic:
+        grads, weights = train(ddp, 3, n, rank, ddp.finish_gradient_synchronization)
+    plain = NaiveDDP(TiedNet(seed=rank))
+    others = {"one process": want, "NaiveDDP": train(plain, 3, n, rank, plain.finish_gradient_synchronization)}
+    others["torch DDP"] = train(DDP(TiedNet(seed=rank)), 3, n, rank)
+    gaps = {k: max(max_gap(weights, w), *map(grad_gap, grads, g)) for k, (g, w) in others.items()}
+    assert all(gap < TOL for gap in gaps.values()), f"rank {rank}: OverlappedDDP's gradients or weights: {gaps}"
+    trainable = sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
+    assert traffic.payload["all_reduce"] == 3 * trainable, f"rank {rank}: {traffic.payload} for {trainable} B"
+    return gaps
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    parser.add_argument("--layers", type=int, default=6, choices=range(2, 33), metavar="2..32")
+    parser.add_argument("--width", type=int, default=128, choices=range(8, 1025), metavar="8..1024")
+    parser.add_argument("--batch", type=int, default=256, choices=range(1, 1025), metavar="1..1024")
+    parser.add_argument("--steps", type=int, default=3, choices=range(1, 51), metavar="1..50")
+    parser.add_argument("--pg-timeout", type=float, default=30, help="seconds a collective waits")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # one core per rank, as torchrun arranges when it starts several
+    ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)
+    rank = ctx.rank
+    gaps = check_tied(ctx, naive.reference(3, ctx.world_size))
+
+    variants = {"NaiveDDP": NaiveDDP(stack(args.layers, args.width))}
+    variants["OverlappedDDP"] = OverlappedDDP(stack(args.layers, args.width))
+    logs = {name: watch(ddp) for name, ddp in variants.items()}
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width, generator=g)
+    steps = {name: [] for name in variants}
+    for i in range(WARMUP + args.steps):
+        for name, ddp in variants.items():  # alternating, so that the machine's load hits both alike
+            step = timed_step(ddp, logs[name], x, y)
+            if i >= WARMUP:
+                steps[name].append(step)
+    tensors = 2 * args.layers
+    for step in steps["OverlappedDDP"]:
+        launches = [a for a, _, _ in step["comm"]]
+        assert len(launches) == tensors and max(launches) <= step["backward_ms"], f"rank {rank}: {launches}"
+        assert min(launches) < max(t for _, t in step["ready"]), f"rank {rank}: nothing started before the last grad"
+    order = torch.tensor([i for _, _, i in steps["OverlappedDDP"][-1]["comm"]])  # parameters, as launched
+    assert all(torch.equal(o, order) for o in gather(order)), f"rank {rank}: hooks ran in another order: {order}"
+    summary = {
+        name: {k: statistics.median(overlap(s)[k] for s in runs) for k in ("in flight", "inside backward", "exposed")}
+        | {"backward": statistics.median(s["backward_ms"] for s in runs)}
+        for name, runs in steps.items()
+    }
+    hidden = 1 - summary["OverlappedDDP"]["exposed"] / summary["NaiveDDP"]["exposed"]
+    lessonlib.report("overlap", {"ms (medians)": summary, "exposed communication hidden": hidden})
+    if ctx.is_main:
+        lessonlib.report("tied", {k: f"{v:.1e}" for k, v in gaps.items()})
+        lessonlib.report("timeline", {name: runs[-1] for name, runs in steps.items()} | {"order": order.tolist()})
+        print("OverlappedDDP on TiedNet, largest gap to " + ", ".join(f"{k} {v:.1e}" for k, v in gaps.items()))
+        for name, s in summary.items():
+            print(
+                f"{name:14} backward {s['backward']:6.2f} ms, exposed after it {s['exposed']:6.2f} ms, "
+                f"all-reduces in flight {s['in flight']:6.2f} ms ({s['inside backward']:6.2f} inside backward)"
+            )
+        print(f"exposed communication hidden by OverlappedDDP, against NaiveDDP: {hidden:.0%}")
+    lessonlib.teardown()
+
+
+if __name__ == "__main__":
+    main()
