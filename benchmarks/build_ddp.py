@@ -12,9 +12,11 @@ Per variant, the median over --steps of:
   step      ms from the start of backward() to the return of finish_gradient_synchronization()
             (torch's DDP: to the return of backward(), which waits for its buckets);
   exposed   ms from the end of backward() to that return: communication not hidden behind backward;
-  hidden    1 - exposed / NaiveDDP's exposed: the share of NaiveDDP's communication time the variant hid;
-  inside    the share of the time an all-reduce was in flight that fell inside backward() (lessons/15_overlap_ddp.py's
-            timeline: launch to completion of every all-reduce, from the hooks and gloo's completion callbacks).
+  saved     1 - exposed / NaiveDDP's exposed: NaiveDDP's exposed communication the variant did without, by
+            overlap or by sending fewer, larger messages (OverlappedDDP sends as many as NaiveDDP: all overlap);
+  inside    the share of the time an all-reduce was in flight that fell inside backward(): hidden behind it
+            (lessons/15_overlap_ddp.py's timeline: every all-reduce from its launch, seen by a hook, to its
+            completion, seen by a callback on its future).
 Prints the slowest rank's step and exposed times, and their ratios to NaiveDDP. No threshold: this reports.
 Under torchrun it runs as one rank of the benchmark.
 """
@@ -139,7 +141,7 @@ def main():
         f"({numel * 4 / 2**20:.1f} MiB), {args.batch} rows per rank; median of {args.steps} steps after {args.warmup}"
     )
     print(f"{'ranks':>5}  {'variant':24}{'buckets':>8}{'step ms':>9}{'x naive':>8}{'exposed ms':>11}", end="")
-    print(f"{'x naive':>8}{'hidden':>8}{'inside':>8}")
+    print(f"{'x naive':>8}{'saved':>8}{'inside':>8}")
     for n in args.world_sizes:
         run = lessonlib.launch(
             __file__, nproc=n, timeout=RUN_TIMEOUT, show="none", env={"OMP_NUM_THREADS": "1"}, args=given

@@ -2,7 +2,7 @@
 
 BucketedDDP(module, bucket_size_mb): gradients sent in buckets, each as soon as its last gradient is ready.
 
-Options: --layers 6, --width 128, --batch 256 (the timed model), --steps 3 (timed steps), --pg-timeout S.
+Options: --layers 6, --width 128, --batch 1024 (the timed model), --steps 3 (timed steps), --pg-timeout S.
 
 OverlappedDDP (lessons/15_overlap_ddp.py) sends one message per tensor; every message pays a fixed
 cost. BucketedDDP groups the trainable parameters, in reverse registration order (the order backward
@@ -223,7 +223,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--layers", type=int, default=6, choices=range(2, 33), metavar="2..32")
     parser.add_argument("--width", type=int, default=128, choices=range(8, 1025), metavar="8..1024")
-    parser.add_argument("--batch", type=int, default=256, choices=range(1, 1025), metavar="1..1024")
+    parser.add_argument("--batch", type=int, default=1024, choices=range(1, 4097), metavar="1..4096")
     parser.add_argument("--steps", type=int, default=3, choices=range(1, 51), metavar="1..50")
     parser.add_argument("--pg-timeout", type=float, default=30, help="seconds a collective waits")
     args = parser.parse_args()
@@ -256,11 +256,11 @@ def main():
         lessonlib.report("tied", gaps)
         lessonlib.report("timeline", {name: runs[-1] for name, runs in steps.items()})
         lessonlib.report("assignment", assignment)
-        print(f"{'variant':20} {'buckets':>7} {'step ms':>8} {'exposed ms':>10} {'x naive':>7}")
+        print(f"{'variant':20} {'buckets':>7} {'step ms':>8} {'exposed ms':>10} {'x naive':>7} {'inside backward':>15}")
         for r in rows:
             print(
                 f"{r['variant']:20} {r['buckets'] or '-':>7} {r['step ms']:8.2f} {r['exposed ms']:10.2f} "
-                f"{r['exposed vs NaiveDDP']:7.2f}"
+                f"{r['exposed vs NaiveDDP']:7.2f} {r['inside backward ms'] / r['in flight ms']:15.0%}"
             )
         for who in ("ours", "torch"):
             print(
