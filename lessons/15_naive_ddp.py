@@ -210,6 +210,9 @@ def main():
     assert "fixed.weight" not in grads[0] and ddp.module.fixed.weight.grad is None, f"rank {rank}: frozen has a grad"
     sent, calls = traffic.payload["all_reduce"] // args.steps, traffic.calls["all_reduce"] // args.steps
     assert (sent, calls) == (trainable_bytes(ddp), len(grads[0])), f"rank {rank}: {traffic.calls} {traffic.payload}"
+    differed = sum(not before for before, _ in agree.values())
+    gap = gaps["one process"]
+    print(f"rank {rank}: {differed} of {len(agree)} tensors differed before NaiveDDP, none after; gap {gap:.0e}")
     if ctx.is_main:
         frozen = {n for n, p in ddp.module.named_parameters() if not p.requires_grad}
         lessonlib.report(
