@@ -58,6 +58,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/collectives.py
 	$(BIN)/python benchmarks/amp.py
 	$(BIN)/python benchmarks/sharding.py
+	$(BIN)/python benchmarks/build_ddp.py
+	$(BIN)/python benchmarks/build_sharding.py
 
 # Format and lint-fix everything ruff covers (pyproject.toml [tool.ruff]); tests/test_style.py checks it.
 format: $(STAMP)
