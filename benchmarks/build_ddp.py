@@ -22,7 +22,6 @@ Under torchrun it runs as one rank of the benchmark.
 """
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -37,20 +36,13 @@ import lessonlib  # noqa: E402
 RUN_TIMEOUT = 300  # seconds per launch; the defaults take well under a minute at 4 ranks on 2 cores
 
 
-def lesson(stem):
-    spec = importlib.util.spec_from_file_location(stem, ROOT / "lessons" / f"{stem}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def worker(args):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    bucketed = lesson("15_bucketed_ddp")
+    bucketed = lessonlib.load_lesson("15_bucketed_ddp")
     overlap, naive = bucketed.overlap, bucketed.naive
     torch.set_num_threads(1)
     ctx = lessonlib.setup(device="cpu", timeout=120)

@@ -21,7 +21,6 @@ Under torchrun it runs as one rank of the benchmark.
 """
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -36,13 +35,6 @@ RUN_TIMEOUT = 300  # seconds per launch; the defaults take some 20 s at 4 ranks 
 ROWS = 16  # tokens per rank and step
 
 
-def lesson(stem):
-    spec = importlib.util.spec_from_file_location(stem, ROOT / "lessons" / f"{stem}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def worker(args):
     import torch
     import torch.distributed as dist
@@ -55,7 +47,7 @@ def worker(args):
     torch.set_num_threads(1)
     ctx = lessonlib.setup(device="cpu", timeout=120)
     n, rank = ctx.world_size, ctx.rank
-    sharded, fsdp_lesson = lesson("15_sharded_optimizer"), lesson("15_hand_fsdp")
+    sharded, fsdp_lesson = lessonlib.load_lesson("15_sharded_optimizer"), lessonlib.load_lesson("15_hand_fsdp")
     g = torch.Generator().manual_seed(rank)
     ids, targets = torch.randint(args.vocab, (2, ROWS), generator=g)
 

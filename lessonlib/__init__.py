@@ -13,6 +13,7 @@
   rank's output live (chapter 2).
 - `check_function` checks an exercise answer that must run on every rank (chapter 2).
 - `comma_list` is an argparse type for options like `--ops a,b,c` (chapter 2).
+- `load_lesson` loads another lesson file as a module, without running its main() (chapter 15).
 - `lessonlib.training` has the small deterministic model and data the DDP chapters compare against
   one process (chapter 5); import it from there.
 - `lessonlib.digits` has chapter 11's data pipeline (scikit-learn's bundled digits through torchvision
@@ -51,6 +52,7 @@ _WHERE = {
     "panel": "notebook.panel",
     "RunPanel": "notebook.panel",
     "check_function": "exercises",
+    "load_lesson": "exercises",
     "comma_list": "argtypes",
 }
 

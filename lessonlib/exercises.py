@@ -57,13 +57,28 @@ def load_function(path, name):
     """The function `name` defined in the Python file at `path` (the lesson side of check_function)."""
     if not os.path.isfile(path):
         raise SystemExit(f"--solution {path}: no such file")
-    spec = importlib.util.spec_from_file_location("solution", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    fn = getattr(module, name, None)
+    fn = getattr(_module_from(path, "solution"), name, None)
     if not callable(fn):
         raise SystemExit(f"--solution {path} defines no function {name!r}")
     return fn
+
+
+def load_lesson(stem):
+    """Another lesson of the course as a module, its classes and functions, without running its main()
+    (chapter 15's lessons build on each other's classes). `stem` is the file's name without `.py`."""
+    from .launcher.spec import ROOT
+
+    path = ROOT / "lessons" / f"{stem}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"no lesson {stem!r}: {path} does not exist")
+    return _module_from(path, stem)
+
+
+def _module_from(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def shared_verdict(ctx, problem):

@@ -29,8 +29,6 @@ finish_gradient_synchronization()) and communication exposed after backward(), a
 """
 
 import argparse
-import importlib.util
-import os
 import statistics
 
 import torch
@@ -41,19 +39,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import lessonlib
 from lessonlib.training import max_gap
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 MIB = 1024 * 1024  # "MB" in bucket_size_mb and torch's bucket_cap_mb is a mebibyte
 
 
-def lesson(stem):
-    """Another lesson of this chapter, as a module: its classes and functions, without running its main()."""
-    spec = importlib.util.spec_from_file_location(stem, os.path.join(HERE, f"{stem}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-overlap = lesson("15_overlap_ddp")  # its timeline: watch, timed_step, overlap; and lessons/15_naive_ddp.py
+# Its timeline (watch, timed_step, overlap), and through it lessons/15_naive_ddp.py
+overlap = lessonlib.load_lesson("15_overlap_ddp")
 naive = overlap.naive
 NaiveDDP, TiedNet, TOL = naive.NaiveDDP, naive.TiedNet, naive.TOL
 

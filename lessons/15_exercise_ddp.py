@@ -24,30 +24,17 @@ only those that one rank can get wrong: a missing broadcast or wait, a sum or a 
 change nothing there).
 """
 
-import importlib.util
-import os
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lessonlib.exercises import run_checker
+from lessonlib.exercises import load_lesson, run_checker
 from lessonlib.sharding import Traffic
 from lessonlib.training import gather, global_batch, my_rows
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def lesson(stem):
-    """Another lesson of this chapter, as a module: its classes and functions, without running its main()."""
-    spec = importlib.util.spec_from_file_location(stem, os.path.join(HERE, f"{stem}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-naive = lesson("15_naive_ddp")  # TiedNet, its rows (ROWS per rank), LR, TOL and one process's reference()
+naive = load_lesson("15_naive_ddp")  # TiedNet, its rows (ROWS per rank), LR, TOL, one process's reference()
 STEPS = 2
 DELAY = 0.5  # seconds the other ranks come late in step 0; rank 0 checks long before that
 WANT = {}  # world size -> one process's gradients at each step

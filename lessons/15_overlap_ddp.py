@@ -24,8 +24,6 @@ to finish's return), against NaiveDDP's, and the share of the in-flight time ins
 """
 
 import argparse
-import importlib.util
-import os
 import statistics
 import time
 
@@ -38,18 +36,7 @@ import lessonlib
 from lessonlib.sharding import Traffic
 from lessonlib.training import gather, max_gap
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def lesson(stem):
-    """Another lesson of this chapter, as a module: its classes and functions, without running its main()."""
-    spec = importlib.util.spec_from_file_location(stem, os.path.join(HERE, f"{stem}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-naive = lesson("15_naive_ddp")  # NaiveDDP, TiedNet and the float64 training both lessons compare
+naive = lessonlib.load_lesson("15_naive_ddp")  # NaiveDDP, TiedNet and the float64 training both lessons compare
 NaiveDDP, TiedNet, train, grad_gap, TOL = naive.NaiveDDP, naive.TiedNet, naive.train, naive.grad_gap, naive.TOL
 WARMUP = 1
 

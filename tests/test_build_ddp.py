@@ -20,22 +20,15 @@ And, with no process: each class loads from its lesson without running main() an
 chapter names; assign_buckets' rule on synthetic tensors.
 """
 
-import importlib.util
 import inspect
 from pathlib import Path
 
 import pytest
 
+import lessonlib
 from rankfork import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def lesson(stem):
-    spec = importlib.util.spec_from_file_location(stem, ROOT / "lessons" / f"{stem}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.unit
@@ -43,7 +36,7 @@ def test_each_class_loads_from_its_lesson_with_the_chapters_interface():
     import torch
     import torch.distributed as dist
 
-    naive, overlap, bucketed = (lesson(f"15_{s}_ddp") for s in ("naive", "overlap", "bucketed"))
+    naive, overlap, bucketed = (lessonlib.load_lesson(f"15_{s}_ddp") for s in ("naive", "overlap", "bucketed"))
     assert not dist.is_initialized(), "loading a lesson must not run its main()"
     for cls, args in [
         (naive.NaiveDDP, ["module"]),
@@ -59,7 +52,7 @@ def test_each_class_loads_from_its_lesson_with_the_chapters_interface():
 def test_assign_buckets_goes_backwards_and_never_passes_the_cap():
     import torch
 
-    assign = lesson("15_bucketed_ddp").assign_buckets
+    assign = lessonlib.load_lesson("15_bucketed_ddp").assign_buckets
     p = [torch.nn.Parameter(torch.zeros(n)) for n in (4, 1, 4, 1, 10)]  # float32: 16, 4, 16, 4, 40 bytes
     frozen = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
     named = lambda buckets: [[[id(x) for x in p].index(id(q)) for q in b] for b in buckets]  # noqa: E731
@@ -72,7 +65,6 @@ def test_assign_buckets_goes_backwards_and_never_passes_the_cap():
 
 
 RANKS = '''
-import importlib.util
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -83,14 +75,8 @@ from lessonlib.training import gather, max_gap, my_rows
 VOCAB, HIDDEN, ROWS, LR, TOL = 11, 6, 5, 0.1, 1e-12
 
 
-def lesson(stem):
-    spec = importlib.util.spec_from_file_location(stem, f"lessons/{stem}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-naive, overlap, bucketed = (lesson(f"15_{s}_ddp") for s in ("naive", "overlap", "bucketed"))
+naive, overlap, bucketed = (lessonlib.load_lesson(f"15_{s}_ddp") for s in ("naive", "overlap", "bucketed"))
 
 
 class LMNet(torch.nn.Module):

@@ -19,7 +19,6 @@ Real ranks and real gloo: this file is also the script each rank runs (run_ranks
 
 import functools
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -135,16 +134,11 @@ def hand_fsdp(ctx, lessons):
 
 
 def rank_main():
-    import importlib.util
 
     import lessonlib
 
     ctx = lessonlib.setup(device="cpu", timeout=30)
-    lessons = {}
-    for stem in ("15_sharded_optimizer", "15_hand_fsdp"):
-        spec = importlib.util.spec_from_file_location(stem, os.path.join(ROOT, "lessons", f"{stem}.py"))
-        lessons[stem] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(lessons[stem])
+    lessons = {stem: lessonlib.load_lesson(stem) for stem in ("15_sharded_optimizer", "15_hand_fsdp")}
     sharded_optimizer(ctx, lessons)
     hand_fsdp(ctx, lessons)
     print(f"rank {ctx.rank}: contracts kept")
