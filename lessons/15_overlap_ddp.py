@@ -151,13 +151,18 @@ def check_tied(ctx, want):
     return gaps
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+def timing_options(parser):
+    """The timed stack's options, shared with lessons/15_bucketed_ddp.py so that both time the same model."""
     parser.add_argument("--layers", type=int, default=6, choices=range(2, 33), metavar="2..32")
     parser.add_argument("--width", type=int, default=128, choices=range(8, 1025), metavar="8..1024")
     parser.add_argument("--batch", type=int, default=1024, choices=range(1, 4097), metavar="1..4096")
     parser.add_argument("--steps", type=int, default=3, choices=range(1, 51), metavar="1..50")
     parser.add_argument("--pg-timeout", type=float, default=30, help="seconds a collective waits")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    timing_options(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per rank, as torchrun arranges when it starts several
     ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)
