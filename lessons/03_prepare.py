@@ -10,13 +10,13 @@ Options: --folder DIR (default: a temporary folder, removed at the end), --case 
 Asserted, by the default case, on every rank:
   half_file: every rank runs `if not exists: download` then loads. The lesson holds rank 0's download
     halfway until the others have looked (a real download stays half-written for minutes): they see the
-    file, load it, and torch.load fails on the half. Needs 2 ranks; a lone rank reports that.
+    file, load it, and torch.load fails on the half. (A lone rank has nobody to race: it downloads, then loads.)
   atomic: the same with the download written to a temporary name and renamed when whole: nobody reads a
     half file, but every rank finds no file and downloads it itself (the work done world-size times).
   once: which rank prepares, for a folder each node has of its own (node-local disk) and for one folder
     every node shares: global rank 0 leaves the other nodes' disks empty (their loads fail); local rank 0
-    on a shared folder prepares it once per node. Run as two nodes to see the difference:
-        torchrun --standalone ... is one node; chapter 3 runs this lesson as two torchrun agents.
+    on a shared folder prepares it once per node. On one node both are the same rank: chapter 3 runs the
+    lesson as two torchrun agents of two ranks (chapter 1's two nodes on one machine) to tell them apart.
   --case stalled: rank 0's download stalls halfway for a minute and the others wait at the barrier until
     the process group's timeout (a run that fails, by design). With --download-timeout S, rank 0 gives up
     after S seconds without data, and the outcome is broadcast, so every rank raises rank 0's reason at once.
@@ -181,11 +181,10 @@ def cases(base, ctx):
         if ctx.rank == 0:
             folder.mkdir()
         dist.barrier()
-        rows[name] = gathered(race(folder, ctx, fetch) if ctx.world_size > 1 else {"prepared": True, "error": None})
+        rows[name] = gathered(race(folder, ctx, fetch))
     half, atomic = rows["half_file"], rows["atomic"]
-    if ctx.world_size > 1:
-        assert all(r["error"] for r in half[1:]), f"half_file: a rank loaded the half file {half}"
-        assert half[0]["error"] is None and sum(r["prepared"] for r in half) == 1, f"half_file: {half}"
+    assert all(r["error"] for r in half[1:]), f"half_file: a rank loaded the half file {half}"
+    assert half[0]["error"] is None and sum(r["prepared"] for r in half) == 1, f"half_file: {half}"
     assert all(r["error"] is None and r["prepared"] for r in atomic), f"atomic: every rank downloads, no error {atomic}"
     for node_local in (True, False):  # a disk per node, or one folder every node sees
         for who in ("local rank 0", "rank 0"):
