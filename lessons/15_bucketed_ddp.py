@@ -215,7 +215,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per rank, as torchrun arranges when it starts several
     ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)
-    tied_bytes = sum(nbytes(p) for p in TiedNet().parameters() if p.requires_grad)
+    tied_bytes = naive.trainable_bytes(TiedNet())
     gaps = check_tied(ctx, {"a bucket per tensor": 1e-6, "a few": tied_bytes / 4 / MIB, "one bucket": 25})
     caps, variants, steps = sweep(ctx, args)
     check_sweep(caps, variants, steps, ctx.rank)

@@ -80,7 +80,7 @@ def check(answer, ctx):
                 f"after construction rank {r}'s {name} is not rank 0's: broadcast every parameter and buffer"
             )
     trainable = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    size = sum(p.numel() * p.element_size() for p in trainable.values())
+    size = naive.trainable_bytes(model)
     for step in range(STEPS):
         x, y = global_batch(step, naive.ROWS * n)
         x, y = x[my_rows([naive.ROWS] * n, rank)], y[my_rows([naive.ROWS] * n, rank)]

@@ -23,7 +23,6 @@ first. Asserted on every rank, each starting from its own seed, on the last of -
 """
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
@@ -32,16 +31,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import lessonlib
-from lessonlib.exercises import load_function
 from lessonlib.sharding import Traffic
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TinyLM, batch = (load_function(os.path.join(HERE, "15_sharded_optimizer.py"), f) for f in ("TinyLM", "batch"))
+optimizer_lesson = lessonlib.load_lesson("15_sharded_optimizer")
+TinyLM, batch = optimizer_lesson.TinyLM, optimizer_lesson.batch
 # The exercise's two pieces: this rank's piece of the flattened tensors, zero-padded to N equal pieces (float32);
 # this rank's piece of the mean over ranks of a whole flat gradient, in float32 whatever the compute dtype.
-flat_shard, reduce_gradient = (
-    load_function(os.path.join(HERE, "15_exercise_fsdp.py"), f) for f in ("flat_shard", "reduce_gradient")
-)
+exercise = lessonlib.load_lesson("15_exercise_fsdp")
+flat_shard, reduce_gradient = exercise.flat_shard, exercise.reduce_gradient
 LR = 0.1  # SGD's
 F32_TOL = 1e-6  # float32, sums in another order; weights up to 3 (measured: 0 to 2.4e-7 at 1 to 4 ranks)
 BF16_TOL, F16_TOL = 1e-2, 2e-3  # vs HandFSDP in float32 after 3 steps (measured at 1 to 4 ranks: 3.2e-3, 5.4e-4)

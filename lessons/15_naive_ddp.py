@@ -171,8 +171,8 @@ def check_construction(ctx):
         for i, (name, _) in enumerate(tensors)
     }
     assert all(after for _, after in agree.values()), f"rank {ctx.rank}: still differ from rank 0's: {agree}"
-    differ = [name for name, (before, _) in agree.items() if before]
-    assert ctx.world_size == 1 or not differ, f"{differ} agreed before the broadcast: nothing was tested"
+    agreed = [name for name, (before, _) in agree.items() if before]
+    assert ctx.world_size == 1 or not agreed, f"{agreed} agreed before the broadcast: nothing was tested"
     theirs = DDP(TiedNet(seed=ctx.rank))
     frozen = gather(theirs.module.fixed.weight.detach().flatten())
     assert all(torch.equal(f, frozen[0]) for f in frozen), f"rank {ctx.rank}: DDP left the frozen weight as it was"

@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lessonlib
 from lessonlib.sharding import Traffic, held, optimizer_state, per_rank_bytes
+from lessonlib.training import flat_params, max_gap
 
 ROWS, LR, DECAY, VOCAB, DIM = 4, 1e-2, 0.1, 31, 16  # tokens per rank and step; AdamW's; the model's sizes
 TOL = 1e-12  # float64: the mean gradient summed in another order (measured: 0 to 2e-16)
@@ -68,10 +69,6 @@ def batch(step, n, rank=None):
     ids, targets = torch.randint(VOCAB, (2, ROWS * n), generator=g)
     mine = slice(None) if rank is None else slice(rank * ROWS, (rank + 1) * ROWS)
     return ids[mine], targets[mine]
-
-
-def flat_params(model):
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 def piece(tensors, world_size, rank):
@@ -175,8 +172,8 @@ def main():
     runs = {kind: train(kind, args.steps, n, rank) for kind in ("sharded", "zero")}
     # [start: check]
     (model, opt, traffic), (zmodel, zopt, _) = runs["sharded"], runs["zero"]
-    gaps = {"one process": (flat_params(model) - flat_params(alone)).abs().max().item()}
-    gaps["ZeroRedundancyOptimizer"] = (flat_params(model) - flat_params(zmodel)).abs().max().item()
+    gaps = {"one process": max_gap(flat_params(model), flat_params(alone))}
+    gaps["ZeroRedundancyOptimizer"] = max_gap(flat_params(model), flat_params(zmodel))
     for what, gap in gaps.items():
         assert gap < TOL, f"rank {rank}: after {args.steps} steps the weights are {gap:.1e} from {what}'s"
     sizes = [sum(p.numel() for p in g["params"] if p.requires_grad) for g in opt.param_groups]  # P_g

@@ -21,14 +21,11 @@ chapter names; assign_buckets' rule on synthetic tensors.
 """
 
 import inspect
-from pathlib import Path
 
 import pytest
 
 import lessonlib
 from rankfork import run_ranks
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.unit

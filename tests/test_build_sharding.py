@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
 WORLD_SIZES = (1, 2, 3, 4)  # 1: plain python; 3 and 4 divide none of the sizes
 STEPS, TOL64, TOL32 = 4, 1e-12, 1e-6  # float64 as the optimizer lesson; float32 as the FSDP lesson
 
@@ -70,7 +69,6 @@ def sharded_optimizer(ctx, lessons):
             loss = opt.step(functools.partial(closure, model, opt, ids, targets))
             assert isinstance(loss, torch.Tensor), f"rank {rank}: {kind}: step(closure) returned {loss}"
             schedule.step()
-        assert opt.param_groups[0]["lr"] == 1e-2 * 0.5 ** (STEPS // 2), f"rank {rank}: {opt.param_groups[0]['lr']}"
         assert all(torch.equal(a, b) for a, b in zip(start, frozen)), f"rank {rank}: {kind} moved a frozen weight"
         runs[kind] = (model, opt)
     (alone, _), (model, opt) = runs["alone"], runs["sharded"]
