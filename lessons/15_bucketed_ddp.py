@@ -175,16 +175,7 @@ def sweep(ctx, args):
     caps = {"a bucket per tensor": 1e-6, "a few": model_bytes / 3 / MIB, "one bucket": 25}
     variants = {"NaiveDDP": NaiveDDP(overlap.stack(args.layers, args.width))}
     variants |= {name: BucketedDDP(overlap.stack(args.layers, args.width), cap) for name, cap in caps.items()}
-    logs = {name: overlap.watch(ddp) for name, ddp in variants.items()}
-    g = torch.Generator().manual_seed(ctx.rank)
-    x, y = torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width, generator=g)
-    steps = {name: [] for name in variants}
-    for i in range(overlap.WARMUP + args.steps):
-        for name, ddp in variants.items():  # alternating, so that the machine's load hits all alike
-            step = overlap.timed_step(ddp, logs[name], x, y)
-            if i >= overlap.WARMUP:
-                steps[name].append(step)
-    return caps, variants, steps
+    return caps, variants, overlap.alternate(variants, args, ctx.rank)
 
 
 def check_sweep(caps, variants, steps, rank):

@@ -151,6 +151,21 @@ def check_tied(ctx, want):
     return gaps
 
 
+def alternate(variants, args, rank):
+    """Each variant's timed steps after WARMUP, on the same rows (args.batch x args.width), the variants taking
+    turns step by step so that the machine's load hits them alike."""
+    logs = {name: watch(ddp) for name, ddp in variants.items()}
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width, generator=g)
+    steps = {name: [] for name in variants}
+    for i in range(WARMUP + args.steps):
+        for name, ddp in variants.items():
+            step = timed_step(ddp, logs[name], x, y)
+            if i >= WARMUP:
+                steps[name].append(step)
+    return steps
+
+
 def timing_options(parser):
     """The timed stack's options, shared with lessons/15_bucketed_ddp.py so that both time the same model."""
     parser.add_argument("--layers", type=int, default=6, choices=range(2, 33), metavar="2..32")
@@ -171,15 +186,7 @@ def main():
 
     variants = {"NaiveDDP": NaiveDDP(stack(args.layers, args.width))}
     variants["OverlappedDDP"] = OverlappedDDP(stack(args.layers, args.width))
-    logs = {name: watch(ddp) for name, ddp in variants.items()}
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width, generator=g)
-    steps = {name: [] for name in variants}
-    for i in range(WARMUP + args.steps):
-        for name, ddp in variants.items():  # alternating, so that the machine's load hits both alike
-            step = timed_step(ddp, logs[name], x, y)
-            if i >= WARMUP:
-                steps[name].append(step)
+    steps = alternate(variants, args, rank)
     tensors = 2 * args.layers
     for step in steps["OverlappedDDP"]:
         launches = [a for a, _, _ in step["comm"]]
