@@ -31,11 +31,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import lessonlib
-from lessonlib.exercises import load_function
 from lessonlib.sharding import Traffic, held
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-blocks = load_function(os.path.join(HERE, "13_fsdp_practice.py"), "blocks")  # --blocks (Linear + ReLU) blocks
+blocks = lessonlib.load_lesson("13_fsdp_practice").blocks  # --blocks (Linear + ReLU) blocks
 
 ROWS, LR = 4, 0.1  # rows per rank and step; SGD's rate
 TOL = 0.02  # bytes sent against the model: gloo frames each message with a header

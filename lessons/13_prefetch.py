@@ -23,7 +23,6 @@ all-gather and no buffer, only whole weights swapped in (asserted).
 """
 
 import argparse
-import os
 import weakref
 
 import torch
@@ -34,11 +33,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lessonlib
-from lessonlib.exercises import load_function
 from lessonlib.sharding import Traffic
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-blocks = load_function(os.path.join(HERE, "13_fsdp_practice.py"), "blocks")
+blocks = lessonlib.load_lesson("13_fsdp_practice").blocks
 
 ROWS, LR = 4, 0.1  # rows per rank and step; SGD's rate
 TOL = 0.02  # bytes sent, prefetch against default: gloo's headers, the same messages in another order

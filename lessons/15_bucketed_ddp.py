@@ -154,7 +154,7 @@ def compare_with_torch(width=64, cap_mb=0.03):
     cap = cap_mb * MIB
     assert all(sum(map(size.get, b)) <= cap for b in ours), f"ours over the cap: {ours}"
     assert all(sum(map(size.get, b)) >= cap > sum(map(size.get, b[:-1])) for b in theirs[:-1]), theirs
-    assert sum(ours, []) == sum(theirs, []) and ours != theirs, f"same order, other cuts: {ours} {theirs}"
+    assert sum(ours, []) == sum(theirs, []) and len(theirs) < len(ours), f"same order, fewer: {ours} {theirs}"
     model = stack(5, 256)  # 1.3 MB
     mine = assign_buckets(model.parameters(), 25 * MIB)
     big = torch_buckets(model, None)  # bucket_cap_mb left at its default, 25

@@ -268,6 +268,8 @@ def main():
     for what, g in gaps.items():
         assert g < F32_TOL, f"rank {rank}: HandFSDP in float32 is {g:.1e} from {what}"
     assert all(map(torch.equal, got["prefetch"].values(), got["float32"].values())), f"rank {rank}: prefetch"
+    same = all(rows["prefetch"][k] == rows["float32"][k] for k in ("calls", "payload"))
+    assert same, f"rank {rank}: prefetch changed the collectives: {rows['prefetch']} {rows['float32']}"
     for name, tol in (("bfloat16", BF16_TOL), ("float16", F16_TOL)):
         gaps[name] = gap(got[name], got["float32"])
         assert gaps[name] < tol, f"rank {rank}: {name} is {gaps[name]:.1e} from float32 (tolerance {tol})"

@@ -187,6 +187,7 @@ def main():
     dist.all_gather_object(every, (mine, theirs, sorted(p.numel() for p in given)))
     unsharded = held(optimizer_state(ref))
     assert sum(t for _, t, _ in every) == unsharded, f"rank {rank}: ZeRO's ranks hold {every}, AdamW {unsharded}"
+    assert n == 1 or len({t for _, t, _ in every}) > 1, f"rank {rank}: ZeRO's split came out even: {every}"
     slices = [opt.local.param_groups[i]["params"][0] for i in range(len(sizes))]
     payload = sum(s.numel() * s.element_size() for s in slices)
     assert dict(traffic.calls) == {"all_gather": len(sizes)}, f"rank {rank}: step() called {dict(traffic.calls)}"
