@@ -3,7 +3,7 @@
 Chapter 15's ShardedOptimizer and HandFSDP as ratios: state bytes, gathered bytes, bytes sent.
 
 One model, lessons/15_sharded_optimizer.py's TinyLM (float32, head.weight tied to embed.weight, a frozen
-Linear, a buffer) at --vocab and --dim (0.53M parameters by default, most of them the embedding), 16 tokens
+Linear, a buffer) at --vocab and --dim (0.53M parameters by default, half of them the embedding), 16 tokens
 per rank and step, at every --world-sizes (one launch each, bounded). After a warm-up step, per rank:
   state   ShardedOptimizer(AdamW) under DDP: the bytes of AdamW state this rank holds (lessonlib.sharding.held),
           over the unsharded AdamW's; and ZeroRedundancyOptimizer's, whose ranks hold whole parameters
