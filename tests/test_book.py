@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from lessonlib.book import rebuild
 from lessonlib.launcher.processes import BOUNDED_VAR, kill_all, marked_environment, marked_processes, run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,10 +225,11 @@ SLEEPER = "import pathlib, sys, time\npathlib.Path(sys.argv[1]).write_text('asle
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_a_book_build_stopped_mid_chapter_leaves_no_process_behind(tmp_path, sig):
     """`jupyter-book build` stopped while a chapter's launch runs (a rank asleep for 300 s). SIGTERM (CI
-    cancelling a job, `kill`): the build kills every executor, with its kernel and the kernel's launch,
-    and removes its scratch folder before it ends. SIGKILL (nothing can be run in the build itself): the
-    executor is told by Linux (PR_SET_PDEATHSIG) and shuts its kernel down, and the launch ends with
-    the kernel (lessonlib.launcher._lifeline). Either way, within 30 s no process the build started is left."""
+    cancelling a job, `kill`): the build stops every executor (SIGTERM, then after rebuild.STOP_GRACE the
+    kill), with its kernel and the kernel's launch, and removes its scratch folder before it ends.
+    SIGKILL (nothing can be run in the build itself): the executor is told by Linux (PR_SET_PDEATHSIG)
+    and shuts its kernel down, and the launch ends with the kernel (lessonlib.launcher._lifeline).
+    Either way, within that bound no process the build started is left."""
     sleeper = tmp_path / "sleeper.py"
     sleeper.write_text(SLEEPER)
     asleep = tmp_path / "asleep"  # the rank is up (forked ranks show the agent server's command line)
@@ -254,7 +256,7 @@ def test_a_book_build_stopped_mid_chapter_leaves_no_process_behind(tmp_path, sig
             assert time.monotonic() < deadline, "the chapter's launch did not start in 150 s"
             time.sleep(0.5)
         os.kill(build.pid, sig)
-        build.wait(timeout=30)
+        build.wait(timeout=rebuild.STOP_GRACE + 10)  # the executors' grace, then the kill
         deadline = time.monotonic() + 30
         while marked_processes(BOUNDED_VAR, mark) and time.monotonic() < deadline:
             time.sleep(0.5)

@@ -138,8 +138,8 @@ class _Executor:
 def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print):
     """Execute the notebooks, `jobs` at a time, each in a process (and session) of its own, bounded;
     returns an Execution. If this raises, or the build is sent SIGTERM, every executor still running
-    is killed with everything it started (its kernel, the kernel's launches) and the scratch folder
-    is removed here."""
+    is stopped (stop_executors: SIGTERM, then after STOP_GRACE killed) with everything it started (its
+    kernel, the kernel's launches), and the scratch folder is removed here."""
     done = Execution(scratch=Path(tempfile.mkdtemp(prefix="lessonlib-book-")))
     running = {}  # {path: _Executor}
     with sigterm_cleans_up():  # SIGTERM unwinds to the `except` below before the build ends
@@ -168,11 +168,13 @@ def stop_executors(executors):
         if executor.proc.poll() is None:
             executor.proc.terminate()
     deadline = time.monotonic() + STOP_GRACE
-    while time.monotonic() < deadline and any(marked_processes(BOUNDED_VAR, e.mark) for e in executors):
-        time.sleep(0.2)
-    for executor in executors:
-        kill_session(executor.proc, executor.mark)
-        executor.log.close()
+    try:  # a second SIGTERM during the grace ends the wait, not the kill
+        while time.monotonic() < deadline and any(marked_processes(BOUNDED_VAR, e.mark) for e in executors):
+            time.sleep(0.2)
+    finally:
+        for executor in executors:
+            kill_session(executor.proc, executor.mark)
+            executor.log.close()
 
 
 def _execute_all(pending, running, done, cell_timeout, jobs, timeout, log):
