@@ -93,7 +93,10 @@ class Stream(IterableDataset):
 
 
 def loader(dataset, batch_size):
-    return DataLoader(dataset, batch_size, num_workers=WORKERS, prefetch_factor=PREFETCH, timeout=30)
+    # fork: the workers' counters live in memory the rank shares with them (Python 3.14 defaults otherwise)
+    return DataLoader(
+        dataset, batch_size, num_workers=WORKERS, prefetch_factor=PREFETCH, timeout=30, multiprocessing_context="fork"
+    )
 
 
 def take(dataset, batch_size):

@@ -32,7 +32,6 @@ import warnings
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, get_worker_info
 
 import lessonlib
@@ -97,6 +96,7 @@ def make_loader(data, produced, ctx, args, persistent):
         batch_size=args.batch_size,
         sampler=DistributedSampler(data, ctx.world_size, ctx.rank, shuffle=True, seed=0),
         num_workers=args.workers,
+        multiprocessing_context="fork",  # what this measures: pages shared by fork (Python 3.14 defaults otherwise)
         collate_fn=lambda batch: batch,  # __getitems__ returned the batch already
         persistent_workers=persistent,  # keep the workers, and what they copied, from epoch to epoch
         prefetch_factor=PREFETCH,  # batches each worker may have ready for this rank
@@ -199,13 +199,10 @@ def main():
     assert totals["list"] == totals["array"], f"rank {r}: the list and the array gave different values"
     high = max(growth["array", 0])
     assert high < 0.1 * low, f"rank {r}: the array case grew by {high / MIB:.2f} MiB, the list by {low / MIB:.1f}"
-    counts = [None] * n
-    dist.all_gather_object(counts, 1 + len(pids["list", 0]))
-    assert sum(counts) == n * (args.workers + 1), f"rank {r}: {sum(counts)} processes, not {n} x ({args.workers} + 1)"
     lessonlib.report("pin_memory", pinning(ctx))
     print(
         f"rank {r}: {args.workers} workers, each grew by at least {low / MIB:.1f} MiB (list), "
-        f"at most {high / MIB:.2f} MiB (array); {sum(counts)} processes in all"
+        f"at most {high / MIB:.2f} MiB (array); this rank and its {len(pids['list', 0])} workers"
     )
     lessonlib.teardown()
 

@@ -17,9 +17,9 @@ The model is lessonlib.training's float64 MLP; the evaluation set is 12 batches,
     barrier(timeout=long) before the broadcast, set_timeout(long) around it, and a side group made with
     new_group(timeout=long) wait as long as rank 0 needs, and get its metric.
   sharded: every rank evaluates batches[rank::W] and all-reduces (sum, count): the same metric as rank
-    0's full evaluation (1e-12), in about 1/W of its time; no rank waits more than 0.5 s.
+    0's full evaluation (1e-12), in about 1/W of its time; no rank waits more than 1 s.
   save: rank 0 snapshots the weights, then writes them in a thread at a throttled pace (--save seconds,
-    longer than --short) while every rank trains on: no step is slowed by more than 0.5 s, the file holds
+    longer than --short) while every rank trains on: no step is slowed by more than 1 s, the file holds
     the snapshot, whole (not the weights trained since; the state dict's tensors are the parameters'
     memory), and the others wait for the end of the write in a group with the --long bound.
   Also: dist.set_timeout is public in torch 2.14.1; distributed_c10d._set_pg_timeout, its old private
