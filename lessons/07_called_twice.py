@@ -14,9 +14,10 @@ gradient is the mean of the ranks' gradients). Asserted, on every rank:
     updated by its own fake rows (asserted: equal to that, recomputed), and the ranks end different.
   no_grad: the second forward under torch.no_grad() (the discriminator's view of a detached sample):
     the same broadcast, the same statistics as twice.
-  own_buffers: DDP(..., forward_sync_buffers=False), torch 2.14.1's name for broadcast_buffers=False,
-    which it still accepts with a FutureWarning (caught and reported): no broadcast in forward, each
-    rank keeps its own statistics (asserted), the gradients as twice.
+  own_buffers: DDP(..., forward_sync_buffers=False), torch 2.14.1's flag for no broadcast in forward:
+    each rank keeps its own statistics (asserted), the gradients as twice. The deprecated
+    broadcast_buffers=False is still accepted, with a FutureWarning (caught, reported) saying that the
+    new flag, unlike the old, still syncs the buffers at construction (asserted).
   concat: one forward of cat(real, fake): one broadcast, but batch norm now normalises the real and
     the fake rows together, so the gradients differ from twice's (asserted): another model, not a fix.
   static_graph=True and find_unused_parameters=True each train 3 steps of two forwards without an
@@ -120,6 +121,7 @@ def main():
         warnings.simplefilter("always")
         DDP(model(), broadcast_buffers=False)
     deprecation = next(str(w.message) for w in caught if "broadcast_buffers" in str(w.message))
+    assert "still syncs buffers at init" in deprecation, f"rank {rank}: the warning changed: {deprecation}"
     for flag in ("static_graph", "find_unused_parameters"):
         d = DDP(model(), **{flag: True})
         opt = torch.optim.SGD(d.parameters(), lr=0.1)
