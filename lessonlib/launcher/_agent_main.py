@@ -27,7 +27,7 @@ import time
 
 import psutil
 
-from lessonlib.launcher import _forkrank
+from lessonlib.launcher import _forkrank, _loopback
 from lessonlib.launcher._runfolder import LAUNCHER_PID_VAR, RUN_DIR_VAR, RUN_ID_VAR
 from lessonlib.launcher.processes import run_processes
 
@@ -73,6 +73,7 @@ if __name__ == "__main__":
         module = "torch.distributed.launch"
         del sys.argv[1]
     quicken_rendezvous()
+    _loopback.install_if_asked()  # a one-machine launch: the stores on 127.0.0.1 alone (chapter 16)
     if _forkrank.wanted():  # ranks forked from this agent, torch already imported (lessonlib.launcher._forkrank)
         _forkrank.install()
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -60,6 +60,9 @@ PER_RUN = (RUN_ID_VAR, RUN_DIR_VAR, LAUNCHER_PID_VAR, BACKEND_VAR, "TORCH_DISABL
 # Set by a test runner and changed at every test (pytest names the test running in it); nothing that torch
 # imports reads it. Every launch still gets the value it had, as it gets every variable.
 NOT_READ_AT_IMPORT = ("PYTEST_CURRENT_TEST",)
+# Read when a process group is made, never as torch is imported: a launch's env= that sets only these
+# (chapter 16's interface choices) can still fork its agent from a server.
+READ_AFTER_IMPORT = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "LESSONLIB_STORES_ON")
 READY_TIMEOUT = 120  # seconds for the server to answer a request (its first: after importing torch)
 WATCH_INTERVAL = 0.2  # seconds between two looks at the launching process
 
@@ -143,12 +146,12 @@ def _alive(pid):
 
 
 class _Server:
-    def __init__(self, base):
+    def __init__(self, base, prefix=()):
         self.base, self.agents = base, []
         self.socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "lessonlib.launcher._agentserver", str(theirs.fileno())],
+                [*prefix, sys.executable, "-m", "lessonlib.launcher._agentserver", str(theirs.fileno())],
                 env={**base[0], SLOT_VAR: SLOT_VALUE},
                 cwd=ROOT,
                 stdin=subprocess.DEVNULL,
@@ -163,9 +166,9 @@ class _Server:
         self.agents = [a for a in self.agents if a.returncode is None]
         return not self.agents
 
-    def start(self, cmd, env, cwd, log):
+    def start(self, cmd, env, cwd, log, skip=0):
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        request = {"args": cmd[3:], "env": {**env, LAUNCHER_PID_VAR: str(self.proc.pid)}, "cwd": str(cwd)}
+        request = {"args": cmd[skip + 3 :], "env": {**env, LAUNCHER_PID_VAR: str(self.proc.pid)}, "cwd": str(cwd)}
         try:
             with theirs:
                 socket.send_fds(self.socket, [json.dumps(request).encode()], [log.fileno(), theirs.fileno()])
@@ -192,56 +195,71 @@ class _Server:
 
 
 _lock = threading.Lock()
-_server = None
-_broken = False  # a server failed to answer: fresh agents from now on
-_exit_hook = False  # atexit has been told to end this process's server
+_servers = {}  # one per host: () for this machine's own network, else the host's command prefix (chapter 16)
+_broken = False  # this machine's server failed to answer: fresh agents from now on
+_exit_hook = False  # atexit has been told to end this process's servers
 
 
-def start_agent(cmd, env, cwd, log, own_env):
-    """The torchrun agent `cmd` (python -m lessonlib.launcher._agent_main ...) forked from this process's server,
-    or None: start it fresh. `own_env`: the launch passed env= (then always fresh)."""
-    global _server, _broken, _exit_hook
+def start_agent(cmd, env, cwd, log, own_env, prefix=()):
+    """The torchrun agent `cmd` (python -m lessonlib.launcher._agent_main ..., after `prefix`, the command that
+    puts it on a lessonlib.Hosts host) forked from this process's server for that host, or None: start it
+    fresh. `own_env`: the launch passed env= with variables torch may read as it is imported (then fresh)."""
+    global _broken, _exit_hook
+    prefix = list(prefix)
+    skip = len(prefix)
     if (
         own_env
-        or _broken
+        or (_broken and not prefix)
         or not sys.platform.startswith("linux")
-        or cmd[:3] != [sys.executable, "-m", AGENT_MODULE]
+        or cmd[:skip] != prefix
+        or cmd[skip : skip + 3] != [sys.executable, "-m", AGENT_MODULE]
         or not _forkrank.wanted(env)
         or len(env.get(RUN_ID_VAR, "")) != len(SLOT_VALUE)
     ):
         return None
     # The environment, and the signals ignored here (an ignored signal stays ignored across exec and fork).
-    base = ({k: v for k, v in env.items() if k not in PER_RUN + NOT_READ_AT_IMPORT}, _ignored_signals())
+    ignored = PER_RUN + NOT_READ_AT_IMPORT + READ_AFTER_IMPORT
+    base = ({k: v for k, v in env.items() if k not in ignored}, _ignored_signals())
+    key = tuple(prefix)
     with _lock:
-        if _server is not None and _server.base != base and _server.idle():
-            _server.close()
-            _server = None
-        if _server is None:
-            if not _exit_hook:
-                atexit.register(_close)  # this process's exit ends the server, and reaps it
-                _exit_hook = True
-            _server = _Server(base)
-        if _server.base != base:
-            return None
-        server = _server
-        try:
-            return server.start(cmd, env, cwd, log)
-        except Unavailable as e:
-            _broken = True
-            warnings.warn(
-                f"lessonlib: the agent server did not answer ({e}); fresh torchrun agents from now on", stacklevel=3
-            )
+        server = _servers.get(key)
+        if server is not None and server.base != base and server.idle():
             server.close()
-            _server = None
+            del _servers[key]
+            server = None
+        if server is None:
+            if not _exit_hook:
+                atexit.register(_close)  # this process's exit ends the servers, and reaps them
+                _exit_hook = True
+            server = _servers[key] = _Server(base, prefix)
+        if server.base != base:
             return None
+        try:
+            return server.start(cmd, env, cwd, log, skip)
+        except Unavailable as e:
+            if not prefix:  # a host's server goes with its host; this machine's should not fail
+                _broken = True
+                warnings.warn(
+                    f"lessonlib: the agent server did not answer ({e}); fresh torchrun agents from now on",
+                    stacklevel=3,
+                )
+            server.close()
+            _servers.pop(key, None)
+            return None
+
+
+def close_servers(prefixes):
+    """End the servers of the hosts that these command prefixes start commands on (lessonlib.Hosts.close)."""
+    with _lock:
+        for key in [tuple(p) for p in prefixes]:
+            if key in _servers:
+                _servers.pop(key).close()
 
 
 def _close():
-    global _server
     with _lock:
-        if _server is not None:
-            _server.close()
-            _server = None
+        while _servers:
+            _servers.popitem()[1].close()
 
 
 # --------------------------------------------------------------------------- the server's side

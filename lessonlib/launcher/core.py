@@ -37,13 +37,13 @@ import uuid
 
 import psutil
 
-from . import _agentserver
+from . import _agentserver, _loopback
 from . import _runfolder as runfolder
 
 # Names that notebooks, tests and the rest of lessonlib import from here, where launch's pieces lived before
 # they had modules of their own.
 from ._runfolder import RUN_ID_VAR  # noqa: F401
-from .ports import reserve_port
+from .ports import loopback_interface, reserve_port
 from .processes import (
     STACK_DUMP_GRACE,  # noqa: F401
     RankWatch,
@@ -76,6 +76,8 @@ def launch(
     cwd=None,
     stop=None,
     max_restarts=0,
+    hosts=None,
+    torchrun_args=None,
 ):
     """Run `script` under torchrun with `nproc` ranks per node and return a RunResult.
 
@@ -90,6 +92,11 @@ def launch(
     `max_restarts`: torchrun's --max-restarts (chapter 12): after a rank fails, every rank is stopped
     and started again, at most this many times. Each rank's output files then hold every attempt, one
     after the other, and its status is the last attempt's.
+    `hosts`: a lessonlib.Hosts (or a list of its hosts), chapter 16: one torchrun agent on each host, in its
+    network namespace, with the c10d rendezvous on the first host's address, as on separate machines.
+    `torchrun_args`: more torchrun options, e.g. ['--rdzv-conf=read_timeout=5'] (see spec.TORCHRUN_OPTIONS).
+    On this machine's own network (no `hosts`), the ranks' gloo listens on the loopback interface only
+    (GLOO_SOCKET_IFNAME, and NCCL_SOCKET_IFNAME), unless this process's environment or `env` sets it.
     Does not raise when the lesson fails: call `.raise_for_status()` for that.
     """
     # Check everything before starting anything.
@@ -105,6 +112,8 @@ def launch(
         rendezvous=rendezvous,
         cwd=cwd,
         max_restarts=max_restarts,
+        hosts=hosts,
+        torchrun_args=torchrun_args,
     )
     if show is True or show is None:
         show = "auto"
@@ -119,7 +128,7 @@ def launch(
 
     view = make_view(show, spec.shown, list(spec.args), spec.nproc, spec.nnodes) if isinstance(show, str) else show
     # Several agents must be told one rendezvous port in advance; a single --standalone agent picks its own.
-    with reserve_port() if spec.nnodes > 1 else contextlib.nullcontext() as port:
+    with reserve_port() if spec.nnodes > 1 and not spec.hosts else contextlib.nullcontext() as port:
         run = _Run(spec, view)
         try:
             run.start(port)
@@ -157,7 +166,10 @@ class _Run:
             cmd = _agent_command(self.spec, node, self.id, self.dir, port)
             # Forked from this process's agent server where it can be (torch imported there once), else
             # the command itself: the same agent either way (lessonlib.launcher._agentserver).
-            agent = _agentserver.start_agent(cmd, env, self.spec.cwd, log, own_env=bool(self.spec.env))
+            # On a lessonlib.Hosts host, from a server of that host's (in its namespaces).
+            prefix = self.spec.hosts[node].prefix() if self.spec.hosts else ()
+            own_env = bool(set(self.spec.env) - set(_agentserver.READ_AFTER_IMPORT))
+            agent = _agentserver.start_agent(cmd, env, self.spec.cwd, log, own_env=own_env, prefix=prefix)
             if agent is None:
                 agent = psutil.Popen(
                     cmd,
@@ -247,6 +259,17 @@ def _environment(spec, run_id, run_dir):
     }
     if spec.backend:
         env[runfolder.BACKEND_VAR] = spec.backend
+    loopback = loopback_interface()
+    if not spec.hosts and loopback:
+        # The rendezvous is on 127.0.0.1, but gloo and NCCL pick their own interface, from what this machine's
+        # hostname resolves to: on a laptop, its address on the LAN, where every rank would listen while the
+        # lesson runs. A one-machine run needs loopback alone (chapter 16).
+        # torch's stores listen on every address unless told a socket: lessonlib.launcher._loopback.
+        asked = [var for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if var in spec.env or var in os.environ]
+        if not asked:
+            env.update(
+                GLOO_SOCKET_IFNAME=loopback, NCCL_SOCKET_IFNAME=loopback, **{_loopback.LOOPBACK_VAR: "127.0.0.1"}
+            )
     if spec.max_restarts and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in spec.env:
         # torch 2.14.1, --standalone: ranks started again sometimes read the previous attempt's gloo
         # addresses from the rendezvous store they share with the agent, and fail to connect ("Connection
@@ -259,32 +282,37 @@ def _agent_command(spec, node, run_id, run_dir, port):
     """The command line of torchrun agent `node`: lessonlib.launcher._agent_main, which is torch.distributed.run
     (or .launch) that dies with this process, starting lessonlib.launcher._rank_main on the script."""
     legacy = spec.launcher != "torchrun"
+    host = spec.hosts[node] if spec.hosts else None
     cmd = [
+        *(host.prefix() if host else []),
         sys.executable,
         "-m",
         "lessonlib.launcher._agent_main",
         *(["--legacy"] if legacy else []),
         f"--nproc-per-node={spec.nproc}",
-        "--local-addr=127.0.0.1",
+        f"--local-addr={host.address if host else '127.0.0.1'}",
     ]
+    # On hosts (chapter 16), the rendezvous is on the first host's address, at a port no other run can
+    # hold (each Hosts is a network of its own); on this machine, 127.0.0.1 and the port the launch reserved.
+    address, port = (spec.hosts[0].address, spec.hosts[0].port) if host else ("127.0.0.1", port)
     # Its log folder in the run folder: otherwise each run leaves a torchelastic_* folder in /tmp for good
     # (the deprecated launcher too: it takes the same option).
     cmd += [f"--log-dir={runfolder.torchrun_log_dir(run_dir, node)}"]
     if spec.max_restarts:
         cmd += [f"--max-restarts={spec.max_restarts}"]
-    if spec.nnodes == 1:
+    if spec.nnodes == 1 and not host:
         cmd += ["--standalone"]
     elif spec.rendezvous == "c10d":
         cmd += [
             f"--nnodes={spec.nnodes}",
             f"--node-rank={node}",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-endpoint={address}:{port}",
             f"--rdzv-id={run_id}",
         ]
     else:
-        cmd += [f"--nnodes={spec.nnodes}", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}"]
-    return cmd + ["-m", "lessonlib.launcher._rank_main", spec.shown, *spec.args]
+        cmd += [f"--nnodes={spec.nnodes}", f"--node-rank={node}", f"--master-addr={address}", f"--master-port={port}"]
+    return cmd + [*spec.torchrun_args, "-m", "lessonlib.launcher._rank_main", spec.shown, *spec.args]
 
 
 def _despite_interrupts(step, tries=10):

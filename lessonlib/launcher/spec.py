@@ -39,6 +39,8 @@ TORCHRUN_ENV = (
 # PYTHONUNBUFFERED is lessonlib's: the live view needs every line flushed. (PYTHONPATH in `env` is kept,
 # after the course root.)
 RESERVED_ENV = (*TORCHRUN_ENV, "PYTHONUNBUFFERED")
+# torchrun options a launch may add (torchrun_args=): the launcher sets the others itself.
+TORCHRUN_OPTIONS = ("--rdzv-endpoint", "--rdzv-conf", "--nnodes", "--monitor-interval")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,16 +59,41 @@ class LaunchSpec:
     rendezvous: str  # how several agents meet: 'c10d' or 'static'
     cwd: Path  # where the agents and ranks run
     max_restarts: int = 0  # torchrun restarts every rank this many times at most after one fails
+    hosts: tuple = ()  # the lessonlib.launcher.hosts.Host of each agent (chapter 16); () for this machine
+    torchrun_args: tuple = ()  # more torchrun options, after the launcher's own (the last of a repeated one wins)
 
     @property
     def world_size(self):
         return self.nproc * self.nnodes
 
 
-def check_launch(script, nproc, args, timeout, env, *, nnodes, backend, launcher, rendezvous, cwd, max_restarts=0):
+def check_launch(
+    script,
+    nproc,
+    args,
+    timeout,
+    env,
+    *,
+    nnodes,
+    backend,
+    launcher,
+    rendezvous,
+    cwd,
+    max_restarts=0,
+    hosts=None,
+    torchrun_args=None,
+):
     """launch's arguments as a LaunchSpec; raises ValueError or FileNotFoundError before anything starts."""
     path = resolve_script(script, cwd)
     _refuse("nproc", ranks_problem(nproc))
+    hosts = _check_hosts(hosts)
+    if hosts:
+        if nnodes not in (1, len(hosts)):
+            raise ValueError(f"nnodes is one per host with hosts=: {len(hosts)}, or leave it out; got {nnodes!r}")
+        if launcher != "torchrun":
+            raise ValueError(f"hosts= needs launcher='torchrun'; got {launcher!r}")
+        nnodes = len(hosts)
+    torchrun_args = _check_torchrun_args(torchrun_args)
     _check_int("nnodes", nnodes, 1, MAX_NNODES, "simulated nodes share this one machine")
     _check_int("max_restarts", max_restarts, 0, MAX_RESTARTS, "each restart starts every rank again")
     args = _check_args(args)
@@ -98,7 +125,45 @@ def check_launch(script, nproc, args, timeout, env, *, nnodes, backend, launcher
         rendezvous=rendezvous,
         cwd=cwd,
         max_restarts=max_restarts,
+        hosts=hosts,
+        torchrun_args=torchrun_args,
     )
+
+
+def _check_hosts(hosts):
+    """() or the hosts as a tuple of lessonlib.launcher.hosts.Host, each still there."""
+    if hosts is None:
+        return ()
+    from lessonlib.launcher.hosts import Host, Hosts
+
+    if isinstance(hosts, Hosts):
+        if hosts.closed:
+            raise ValueError("hosts= names a Hosts that is closed: launch inside its `with` block")
+        hosts = hosts.hosts
+    if not isinstance(hosts, (list, tuple)) or not all(isinstance(h, Host) for h in hosts):
+        raise ValueError(f"hosts must be a lessonlib.Hosts or a list of its hosts; got {hosts!r}")
+    if not 1 <= len(hosts) <= MAX_NNODES or len(set(hosts)) != len(hosts):
+        raise ValueError(f"hosts must be 1 to {MAX_NNODES} different hosts, one torchrun agent each; got {hosts!r}")
+    for h in hosts:
+        if not Path(f"/run/netns/{h.namespace}").exists():
+            raise ValueError(
+                f"host {h.name} is gone (no network namespace {h.namespace}): launch inside its `with` block"
+            )
+    return tuple(hosts)
+
+
+def _check_torchrun_args(options):
+    if options is None:
+        return ()
+    if isinstance(options, str) or not isinstance(options, (list, tuple)):
+        raise ValueError(f"torchrun_args must be a list of '--option=value' strings; got {options!r}")
+    for o in options:
+        if not isinstance(o, str) or "=" not in o or o.split("=", 1)[0] not in TORCHRUN_OPTIONS:
+            raise ValueError(
+                f"torchrun_args takes '--option=value' for the options {', '.join(TORCHRUN_OPTIONS)} "
+                f"(the launcher sets the others); got {o!r}"
+            )
+    return tuple(options)
 
 
 def script_candidates(script, bases=(), here=None):

@@ -1,0 +1,132 @@
+"""torchrun --nproc_per_node=2 lessons/16_bandwidth.py
+
+All-reduce time against message size on the network the ranks share, and DDP's gradient compression on it.
+
+Chapter 16 runs it with one rank on each host of a lessonlib.Hosts whose links tc limits to a given rate,
+and fits the times to the alpha-beta model; on one machine (as above) the ranks share loopback.
+
+Options: --sizes MiB,... (all-reduced float32 tensors; default 0.25,1,4), --repeats N (default 3),
+--hooks none,fp16,powersgd (the DDP communication hooks to time: none is DDP's own all-reduce),
+--steps N (timed DDP steps per hook, after 2 untimed; default 3), --pg-timeout S (default 60).
+
+Reported: "allreduce", {bytes: [seconds of each repeat]}, each repeat the slowest rank's time from a common
+start (a barrier), as a collective ends for everyone only when the slowest rank is done; and "compress",
+{hook: {"step": median seconds, "bytes": bytes each rank all-reduces per step}}. Asserted on every rank:
+the all-reduced values are right; DDP under each hook leaves every rank's weights equal.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+# Tensors stay on the CPU; with a GPU visible, torch 2.14.1's PowerSGD synchronizes a CUDA device (chapter 14).
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import lessonlib  # noqa: E402
+from lessonlib.argtypes import comma_list  # noqa: E402
+
+HOOKS = ("none", "fp16", "powersgd")
+WIDTH, LAYERS, RANK_R = 512, 4, 2  # the DDP model: 4 Linear(512, 512), 1.05 M float32 parameters, 4 MiB
+
+
+# [start: time_allreduce]
+def time_allreduce(numel, repeats):
+    """Seconds of each repeat of one all-reduce of `numel` float32 values, the slowest rank's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.full((numel,), float(rank + 1))
+    seconds = []
+    for _ in range(repeats):
+        x.fill_(rank + 1)
+        dist.barrier()  # a common start
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        took = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # done for all only when the slowest is
+        seconds.append(took.item())
+        assert x[0].item() == x[-1].item() == world * (world + 1) / 2, f"rank {rank}: all-reduce gave {x[0]}"
+    return seconds
+
+
+# [end: time_allreduce]
+
+
+# [start: compress]
+def hook_setup(name, model):
+    """DDP's communication hook `name` on `model`, and the bytes each rank then all-reduces per step."""
+    params = [p for p in model.parameters()]
+    full = sum(p.numel() for p in params) * 4
+    if name == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)  # float16 on the wire
+        return full // 2
+    if name == "powersgd":  # rank-2 factors P (n x r) and Q (m x r) of each weight matrix; biases whole
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=RANK_R, start_powerSGD_iter=2)
+        model.register_comm_hook(state, psgd.powerSGD_hook)
+        return sum((p.shape[0] + p.shape[1]) * RANK_R * 4 if p.dim() == 2 else p.numel() * 4 for p in params)
+    return full
+
+
+# [end: compress]
+
+
+def time_steps(name, steps, rank):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    # One bucket: PowerSGD on gloo fails with several (chapter 14).
+    model = DDP(net, bucket_cap_mb=1024)
+    sent = hook_setup(name, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seconds = []
+    for step in range(2 + steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(32, WIDTH, generator=g)
+        dist.barrier()
+        t0 = time.perf_counter()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        took = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        if step >= 2:  # PowerSGD compresses from its step 2 on; before it, a plain all-reduce
+            seconds.append(took.item())
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    assert all(torch.equal(flat, other) for other in everyone), f"rank {rank}: {name}: weights differ across ranks"
+    return {"step": statistics.median(seconds), "bytes": sent}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    parser.add_argument("--sizes", type=comma_list(float, low=0.001, high=256), default=[0.25, 1.0, 4.0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hooks", type=comma_list(str, choices=HOOKS), default=list(HOOKS))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--pg-timeout", type=float, default=60.0)
+    args = parser.parse_args()
+    ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)
+    rank = ctx.rank
+    times = {}
+    for mib in args.sizes:
+        numel = int(mib * 2**20) // 4
+        times[numel * 4] = time_allreduce(numel, args.repeats)
+    lessonlib.report("allreduce", times)
+    compress = {name: time_steps(name, args.steps, rank) for name in args.hooks}
+    lessonlib.report("compress", compress)
+    if rank == 0:
+        for nbytes, s in times.items():
+            mib, best = nbytes / 2**20, min(s) * 1e3
+            print(f"all-reduce of {mib:g} MiB over {ctx.world_size} ranks: {best:.1f} ms (best of {len(s)})")
+        for name, c in compress.items():
+            print(f"DDP step, hook {name}: {c['step'] * 1e3:.1f} ms, {c['bytes'] / 2**20:.2f} MiB all-reduced per rank")
+    lessonlib.teardown()
+
+
+if __name__ == "__main__":
+    main()
