@@ -1,0 +1,121 @@
+"""python benchmarks/hosts_bandwidth.py [--rates 50,200,1000] [--hosts 2] [--sizes 1,4,16]
+
+Chapter 16's all-reduce on lessonlib.Hosts links limited by tc, as ratios to the rate each link was given.
+
+One network of --hosts hosts (2 to 4, one rank each) is made once; for each of --rates (Mbit/s) every host's
+link is set to that rate (Hosts.set_rate: tc tbf on both ends of its cable) and lessons/16_bandwidth.py is
+launched on them, timing an all-reduce of each of --sizes MiB of float32 (best of --repeats, each the slowest
+rank's time). A ring all-reduce of S bytes over N hosts puts 2(N-1)/N * S bytes on each host's link each way
+(the "bus" bytes), so per rate it prints:
+  busbw     the bus bytes over the best time at the largest size, in Mbit/s, and as a ratio to the rate:
+            how much of the link the all-reduce gets (1.0: all of it);
+  alpha, B  a least-squares fit of t = alpha + bus bytes / B over the sizes: the fixed cost per all-reduce,
+            in ms, and the bandwidth the times grow with, as a ratio to the rate. tbf lets a burst (64 KiB,
+            or 1 ms of traffic at high rates) through at full speed, which pulls alpha down by about burst/rate.
+No threshold: this reports, it does not pass or fail. Needs what lessonlib.Hosts needs (Linux, iproute2, root);
+without it, it says why and exits with status 77, the "skipped" of Automake's test harness, so that a
+machine that cannot make hosts neither fails `make bench` nor passes for a run that measured nothing.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing lessonlib
+
+import lessonlib  # noqa: E402
+from lessonlib.launcher.hosts import MAX_HOSTS, MAX_RATE, MIN_HOSTS, MIN_RATE, unavailable  # noqa: E402
+
+SKIPPED = 77  # exit status: nothing measured, and why is on stderr
+LESSON = ROOT / "lessons/16_bandwidth.py"
+DDP_BYTES = 4 * 2**20  # the lesson's one timed DDP model (4 MiB), all-reduced at each of its 2 + 1 steps
+DDP_STEPS = 3
+
+
+def bus_bytes(size, n):
+    """Bytes a ring all-reduce of `size` bytes over `n` ranks sends on each rank's link, each way."""
+    return size * 2 * (n - 1) / n
+
+
+def seconds_at(rate, n, sizes, repeats):
+    """What the launch should take at `rate` Mbit/s: every byte it sends through the limit, nothing else."""
+    wire = sum(bus_bytes(s, n) for s in sizes) * repeats + bus_bytes(DDP_BYTES, n) * DDP_STEPS
+    return wire * 8 / (rate * 1e6)
+
+
+def fit(points):
+    """Least squares of t = alpha + x / B over (x bytes, t seconds): (alpha in seconds, B in bytes/s)."""
+    slope, intercept = statistics.linear_regression([x for x, _ in points], [t for _, t in points])
+    return intercept, 1 / slope
+
+
+def measure(net, rate, sizes, repeats):
+    """Set every link of `net` to `rate` Mbit/s, run the lesson on it; {bytes: best seconds}."""
+    for host in net:
+        net.set_rate(host, rate)
+    expected = seconds_at(rate, len(net), [s * 2**20 for s in sizes], repeats)
+    largest = bus_bytes(max(sizes) * 2**20, len(net)) * 8 / (rate * 1e6)  # one all-reduce, the longest wait
+    run = lessonlib.launch(
+        LESSON,
+        nproc=1,
+        hosts=net,
+        timeout=120 + 3 * expected,
+        show="none",
+        args=[
+            *("--sizes", ",".join(f"{s:g}" for s in sizes), "--repeats", str(repeats)),
+            *("--hooks", "none", "--steps", str(DDP_STEPS - 2), "--pg-timeout", f"{max(60, 5 * largest):.0f}"),
+        ],
+    ).raise_for_status()
+    times = dict(run.reports("allreduce"))[0]  # every rank reports the same: the slowest rank's times
+    return {int(nbytes): min(seconds) for nbytes, seconds in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    parser.add_argument(
+        "--rates",
+        type=lessonlib.comma_list(int, low=MIN_RATE, high=MAX_RATE),
+        default="50,200,1000",
+        help=f"link rates in Mbit/s, each within {MIN_RATE}..{MAX_RATE}",
+    )
+    parser.add_argument("--hosts", type=int, default=2, help=f"hosts, one rank each, {MIN_HOSTS}..{MAX_HOSTS}")
+    parser.add_argument(
+        "--sizes",
+        type=lessonlib.comma_list(float, low=0.001, high=256),
+        default="1,4,16",
+        help="all-reduced MiB, at least two sizes (the fit)",
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if not MIN_HOSTS <= args.hosts <= MAX_HOSTS:
+        parser.error(f"--hosts must be within {MIN_HOSTS}..{MAX_HOSTS}")
+    if len(set(args.sizes)) < 2 or args.repeats < 1:
+        parser.error("need two different --sizes at least, and --repeats >= 1")
+    if reason := unavailable():
+        print(f"skipped: {reason}", file=sys.stderr)
+        return SKIPPED
+
+    n, big = args.hosts, max(args.sizes)
+    print(f"{n} hosts, one rank each; all-reduce of {', '.join(f'{s:g}' for s in args.sizes)} MiB float32")
+    head = f"{'rate (Mbit/s)':>13}  {f'busbw at {big:g} MiB':>18}  {'/ rate':>7}  {'alpha (ms)':>10}  {'B / rate':>8}"
+    print(head)
+    started = time.monotonic()
+    with lessonlib.Hosts(n, rates=args.rates[0]) as net:
+        for rate in args.rates:
+            best = measure(net, rate, args.sizes, args.repeats)
+            biggest = max(best)
+            busbw = bus_bytes(biggest, n) * 8 / best[biggest] / 1e6
+            alpha, bandwidth = fit([(bus_bytes(size, n), t) for size, t in best.items()])
+            print(
+                f"{rate:>13}  {busbw:>18.1f}  {busbw / rate:>7.3f}  {alpha * 1e3:>10.1f}  "
+                f"{bandwidth * 8 / 1e6 / rate:>8.3f}"
+            )
+    print(f"({time.monotonic() - started:.0f} s; 1.000 would be the whole link, tc's limit exactly)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
