@@ -10,7 +10,8 @@ Options: --sizes MiB,... (all-reduced float32 tensors; default 0.25,1,4), --repe
 --steps N (timed DDP steps per hook, after 2 untimed; default 3), --pg-timeout S (default 60).
 
 Reported: "allreduce", {bytes: [seconds of each repeat]}, each repeat the slowest rank's time from a common
-start (a barrier), as a collective ends for everyone only when the slowest rank is done; and "compress",
+start (a barrier), as a collective ends for everyone only when the slowest rank is done; "own", the same
+with each rank's own time; and "compress",
 {hook: {"step": median seconds, "bytes": bytes each rank all-reduces per step}}. Asserted on every rank:
 the all-reduced values are right; DDP under each hook leaves every rank's weights equal.
 """
@@ -38,20 +39,21 @@ WIDTH, LAYERS, RANK_R = 512, 4, 2  # the DDP model: 4 Linear(512, 512), 1.05 M f
 
 # [start: time_allreduce]
 def time_allreduce(numel, repeats):
-    """Seconds of each repeat of one all-reduce of `numel` float32 values, the slowest rank's."""
+    """Seconds of each repeat of one all-reduce of `numel` float32 values: the slowest rank's, and this rank's."""
     rank, world = dist.get_rank(), dist.get_world_size()
     x = torch.full((numel,), float(rank + 1))
-    seconds = []
+    seconds, own = [], []
     for _ in range(repeats):
         x.fill_(rank + 1)
         dist.barrier()  # a common start
         t0 = time.perf_counter()
         dist.all_reduce(x)
         took = torch.tensor([time.perf_counter() - t0])
+        own.append(took.item())
         dist.all_reduce(took, op=dist.ReduceOp.MAX)  # done for all only when the slowest is
         seconds.append(took.item())
         assert x[0].item() == x[-1].item() == world * (world + 1) / 2, f"rank {rank}: all-reduce gave {x[0]}"
-    return seconds
+    return seconds, own
 
 
 # [end: time_allreduce]
@@ -112,11 +114,12 @@ def main():
     args = parser.parse_args()
     ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)
     rank = ctx.rank
-    times = {}
+    times, own = {}, {}
     for mib in args.sizes:
         numel = int(mib * 2**20) // 4
-        times[numel * 4] = time_allreduce(numel, args.repeats)
+        times[numel * 4], own[numel * 4] = time_allreduce(numel, args.repeats)
     lessonlib.report("allreduce", times)
+    lessonlib.report("own", own)
     compress = {name: time_steps(name, args.steps, rank) for name in args.hooks}
     lessonlib.report("compress", compress)
     if rank == 0:

@@ -152,6 +152,8 @@ def _check(n, names, addresses, rates):
     """The hosts' names, addresses and rates, or a ValueError saying what is wrong and what is allowed."""
     if isinstance(n, bool) or not isinstance(n, int) or not MIN_HOSTS <= n <= MAX_HOSTS:
         raise ValueError(f"n (how many hosts) must be an int from {MIN_HOSTS} to {MAX_HOSTS}; got {n!r}")
+    if isinstance(names, str):
+        raise ValueError(f"names must be a list of {n} hostnames, e.g. ['alpha', 'beta']; got the string {names!r}")
     names = [f"host{i}" for i in range(n)] if names is None else list(names)
     if len(names) != n or len(set(names)) != n:
         raise ValueError(f"names must be {n} different hostnames; got {names!r}")
@@ -340,6 +342,7 @@ class Hosts:
         """Start `argv` on `host` in a session of its own (subprocess.Popen's keyword arguments); it is
         killed, with everything it started, when these hosts are closed, if it has not ended before."""
         self._live()
+        kwargs.setdefault("stdin", subprocess.DEVNULL)
         proc = subprocess.Popen([*self.prefix(host), *map(str, argv)], start_new_session=True, **kwargs)
         with self._lock:
             self._procs.append(proc)
@@ -389,6 +392,7 @@ class Hosts:
 
     def unblock_tcp(self, host):
         """Remove block_tcp's filters."""
+        self._live()
         ns = self._host(host).namespace
         _cmd("ip", "netns", "exec", ns, "tc", "filter", "del", "dev", INTERFACE, "parent", "1:")
 
