@@ -5,9 +5,12 @@ A one-machine launch puts the rendezvous on 127.0.0.1 and pins gloo to the loopb
 of the machine whatever host name it is given: the torchrun agent's rendezvous store, the store it
 shares with the ranks, and rank 0's own where the agent's is not shared. On a laptop on a LAN, every
 lesson would accept connections from the LAN while it runs. When the launch sets LOOPBACK_VAR, the agent
-(lessonlib.launcher._agent_main) and each rank (lessonlib.launcher._rank_main) replace torch's TCPStore,
-where torchrun's modules look it up, by a subclass whose server listens on a socket bound to 127.0.0.1
-(TCPStore's own `master_listen_fd`); clients, and everything else, are unchanged.
+(lessonlib.launcher._agent_main) replaces torch's TCPStore, where torchrun's modules look it up, by a
+subclass whose server listens on a socket bound to 127.0.0.1 (TCPStore's own `master_listen_fd`); clients,
+and everything else, are unchanged. Ranks forked from the agent (lessonlib.launcher._forkrank) inherit the
+replacement. A fresh rank (a machine with NVIDIA GPUs) does not: importing torch before the lesson does
+would make it differ from what a plain torchrun starts; its own store, which only a launch with
+max_restarts makes (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), is then torch's.
 """
 
 import os

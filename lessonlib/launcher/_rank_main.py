@@ -25,7 +25,6 @@ import sys
 import time
 import traceback
 
-from lessonlib.launcher import _loopback
 from lessonlib.launcher import _runfolder as runfolder
 from lessonlib.launcher._lifeline import die_with_parent
 
@@ -69,7 +68,6 @@ def main():
 
     record = {"rank": rank, "pid": os.getpid(), "start": started}
     try:
-        _loopback.install_if_asked()  # rank 0's own store, where it has one, on 127.0.0.1 alone (chapter 16)
         runpy.run_path(script, run_name="__main__")
         record["exitcode"] = 0
     except SystemExit as e:
