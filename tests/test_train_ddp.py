@@ -1,8 +1,10 @@
 """The script to copy, lessons/train_ddp.py, and the one-process script it starts from.
 
-Run as a reader runs them, with the command the Start page gives: real torchrun (--standalone, so
-concurrent tests never share a port), real gloo, every run bounded and every process it started killed
-after (lessonlib.launcher.processes.run_bounded). Specified here:
+Run as a reader runs them: the command the Start page gives, real torchrun (--standalone, so concurrent
+tests never share a port), for the plain and the 3-rank runs; the resume tests' six 2-rank runs go through
+lessonlib.launch, the same torchrun agent with each rank forked from it (lessonlib.launcher._forkrank),
+which shares torch's import and runs the same script. Real gloo, every run bounded and every process it
+started killed after. Specified here:
 
 - both scripts import torch, torchvision and the standard library only, never lessonlib;
 - train_ddp.py trains at 1 (plain `python`), 2 and 3 ranks and reaches the accuracy it should;
@@ -26,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import lessonlib
 from lessonlib.launcher.processes import run_bounded
 from lessonlib.notebook.scriptdiff import AMP_LINES, split_changes
 
@@ -36,8 +39,13 @@ TIMEOUT = 180
 EPOCH_LINE = re.compile(r"epoch (\d+): train loss [\d.]+ acc [\d.]+ \| test loss [\d.]+ acc ([\d.]+)")
 
 
-def run(args, nproc=None, script=SCRIPT, timeout=TIMEOUT):
-    """The script at `nproc` ranks under torchrun (None: plain python); its output, which must say success."""
+def run(args, nproc=None, script=SCRIPT, timeout=TIMEOUT, forked=False):
+    """The script at `nproc` ranks under torchrun (None: plain python; forked: through lessonlib.launch); its
+    output, which must say success."""
+    if forked:
+        result = lessonlib.launch(script, nproc=nproc, args=args, timeout=timeout, show="none")
+        assert result.ok, f"{script.name} {args} at {nproc} ranks failed:\n{result.describe_failure()}"
+        return "".join(r.stdout + r.stderr for r in result.ranks)
     argv = [PYTHON, script] if nproc is None else [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", script]
     with tempfile.TemporaryDirectory() as tmp:  # torchrun's torchelastic_* log folder lands here, not in /tmp
         done = run_bounded([*argv, *args], timeout, cwd=ROOT, env={**os.environ, "TMPDIR": tmp})
@@ -92,13 +100,13 @@ def stop_resume_and_compare(tmp_path, extra):
     """Run 1 epoch with a checkpoint, run again asking for 2 (it resumes and trains epoch 1 only), and
     run 2 epochs in one go: the two checkpoints must be equal to the bit. Returns the one-go checkpoint."""
     stopped, whole = tmp_path / "stopped.pt", tmp_path / "whole.pt"
-    first = run(["--epochs", "1", "--checkpoint", stopped, *extra], 2)
+    first = run(["--epochs", "1", "--checkpoint", stopped, *extra], 2, forked=True)
     assert [int(e) for e, _ in EPOCH_LINE.findall(first)] == [0], "rank 0 alone prints, once per epoch"
-    second = run(["--epochs", "2", "--checkpoint", stopped, *extra], 2)
+    second = run(["--epochs", "2", "--checkpoint", stopped, *extra], 2, forked=True)
     assert f"resumed from {stopped} after epoch 0 (step" in second, second
     assert sorted(accuracies(second)) == [1], "the resumed run must train epoch 1 only"
     assert accuracies(second)[1] >= 0.85, f"two epochs at 2 ranks should reach 0.85: {accuracies(second)}"
-    run(["--epochs", "2", "--checkpoint", whole, *extra], 2)
+    run(["--epochs", "2", "--checkpoint", whole, *extra], 2, forked=True)
     assert_same_state(state_of(stopped), state_of(whole))
     assert not list(tmp_path.glob("*.tmp")), "the atomic save left its temporary file"
     return whole
@@ -117,7 +125,7 @@ def test_resume_equals_a_run_that_never_stopped_and_the_start_pages_middle_scrip
     assert not left, f"AMP lines left in the middle script: {left}"
     script = tmp_path / "train_ddp_no_amp.py"
     script.write_text(middle.text)
-    run(["--epochs", "2", "--checkpoint", tmp_path / "middle.pt"], 2, script=script)
+    run(["--epochs", "2", "--checkpoint", tmp_path / "middle.pt"], 2, script=script, forked=True)
     a, b = state_of(tmp_path / "middle.pt"), state_of(whole)
     assert "scaler" in b and "scaler" not in a
     assert_same_state(a, b)
