@@ -156,8 +156,8 @@ def listening(net, host, n):
 
 def listening_addresses(pid, host):
     """The addresses of the LISTEN sockets on `host`, as process `pid` sees them (empty until it has entered the
-    host's namespace, and once it has ended). Read here, not with Hosts.sockets, which starts four processes a
-    look: too slow to see a rank that lives a fraction of a second, and too costly to look a hundred times."""
+    host's namespace, and once it has ended). Read from /proc here, not through a command run on the host
+    (`ip netns exec` and a process for each look): too slow to see a rank that lives a fraction of a second."""
     try:
         # `ip netns exec` enters the namespace a few ms after it starts; before, /proc/PID/net is this machine's.
         if os.stat(f"/proc/{pid}/ns/net").st_ino != (NETNS_RUN / host.namespace).stat().st_ino:

@@ -47,7 +47,7 @@ import threading
 import time
 import warnings
 
-from lessonlib.launcher import _forkrank
+from lessonlib.launcher import _forkrank, _loopback
 from lessonlib.launcher._runfolder import BACKEND_VAR, LAUNCHER_PID_VAR, RUN_DIR_VAR, RUN_ID_VAR
 from lessonlib.launcher.spec import ROOT
 
@@ -62,7 +62,7 @@ PER_RUN = (RUN_ID_VAR, RUN_DIR_VAR, LAUNCHER_PID_VAR, BACKEND_VAR, "TORCH_DISABL
 NOT_READ_AT_IMPORT = ("PYTEST_CURRENT_TEST",)
 # Read when a process group is made, never as torch is imported: a launch's env= that sets only these
 # (chapter 16's interface choices) can still fork its agent from a server.
-READ_AFTER_IMPORT = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "LESSONLIB_STORES_ON")
+READ_AFTER_IMPORT = (*_loopback.INTERFACE_VARS, _loopback.LOOPBACK_VAR)
 READY_TIMEOUT = 120  # seconds for the server to answer a request (its first: after importing torch)
 WATCH_INTERVAL = 0.2  # seconds between two looks at the launching process
 

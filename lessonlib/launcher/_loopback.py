@@ -18,6 +18,7 @@ import socket
 import sys
 
 LOOPBACK_VAR = "LESSONLIB_STORES_ON"  # the address every TCPStore server of the run listens on
+INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # where gloo and NCCL listen (the launcher pins them)
 # TCPStore's parameters, in order, as torch 2.14.1 takes them positionally.
 PARAMETERS = (
     "host_name",

@@ -259,17 +259,14 @@ def _environment(spec, run_id, run_dir):
     }
     if spec.backend:
         env[runfolder.BACKEND_VAR] = spec.backend
-    loopback = loopback_interface()
-    if not spec.hosts and loopback:
+    loopback = None if spec.hosts else loopback_interface()
+    if loopback:
         # The rendezvous is on 127.0.0.1, but gloo and NCCL pick their own interface, from what this machine's
         # hostname resolves to: on a laptop, its address on the LAN, where every rank would listen while the
         # lesson runs. A one-machine run needs loopback alone (chapter 16).
         # torch's stores listen on every address unless told a socket: lessonlib.launcher._loopback.
-        asked = [var for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if var in spec.env or var in os.environ]
-        if not asked:
-            env.update(
-                GLOO_SOCKET_IFNAME=loopback, NCCL_SOCKET_IFNAME=loopback, **{_loopback.LOOPBACK_VAR: "127.0.0.1"}
-            )
+        if not any(var in spec.env or var in os.environ for var in _loopback.INTERFACE_VARS):
+            env.update(dict.fromkeys(_loopback.INTERFACE_VARS, loopback), **{_loopback.LOOPBACK_VAR: "127.0.0.1"})
     if spec.max_restarts and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in spec.env:
         # torch 2.14.1, --standalone: ranks started again sometimes read the previous attempt's gloo
         # addresses from the rendezvous store they share with the agent, and fail to connect ("Connection

@@ -253,21 +253,8 @@ class Hosts:
             _cmd("ip", "netns", "add", host.namespace)
             _cmd("ip", "-n", host.namespace, "link", "set", "lo", "up")
             port = self._port(host)
-            _cmd(
-                "ip",
-                "link",
-                "add",
-                INTERFACE,
-                "netns",
-                host.namespace,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                port,
-                "netns",
-                self.switch,
-            )
+            veth = ["veth", "peer", "name", port, "netns", self.switch]  # the cable: eth0 here, `port` on the switch
+            _cmd("ip", "link", "add", INTERFACE, "netns", host.namespace, "type", *veth)
             _cmd("ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", INTERFACE)
             _cmd("ip", "-n", host.namespace, "link", "set", INTERFACE, "up")
             _cmd("ip", "-n", self.switch, "link", "set", port, "master", "br0")
@@ -286,9 +273,11 @@ class Hosts:
         self.closed = True
         with self._lock:
             procs, self._procs = self._procs, []
+        from .processes import kill_session
+
         for proc in procs:
-            _kill_session(proc)
-        from . import _agentserver  # lessonlib.launch's agent servers on these hosts
+            kill_session(proc)
+        from . import _agentserver  # lessonlib.launch's agent servers on these hosts (imports psutil)
 
         _agentserver.close_servers([h.prefix() for h in self.hosts])
         try:  # communicate() closes the keeper's input: it removes everything now
@@ -425,18 +414,6 @@ class Hosts:
             _cmd(*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *_shaper(mbit))
             _cmd(*tc, "qdisc", "add", "dev", dev, "parent", "1:2", "handle", "20:", "pfifo", "limit", "0")
 
-    def sockets(self, host):
-        """The TCP sockets open on `host` now: (state, local address, local port, remote address, remote port)."""
-        out = self.run(host, ["cat", "/proc/net/tcp", "/proc/net/tcp6"], timeout=COMMAND_BOUND)
-        return parse_proc_net_tcp(out.stdout)
-
-    def links(self):
-        """Each host's interface and the switch's ports as `ip -br link` shows them (for a reader's look)."""
-        return {
-            name: _cmd("ip", "-n", ns, "-br", "addr", "show")
-            for name, ns in [*((h.name, h.namespace) for h in self.hosts), ("switch", self.switch)]
-        }
-
 
 TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "06": "TIME_WAIT", "0A": "LISTEN", "08": "CLOSE_WAIT"}
 
@@ -519,14 +496,3 @@ def _cmd(*argv):
     if out.returncode != 0:
         raise RuntimeError(f"`{' '.join(argv)}` failed: {(out.stderr or out.stdout).strip()}")
     return out.stdout
-
-
-def _kill_session(proc):
-    import signal
-
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            proc.kill()
-    proc.wait()
