@@ -15,6 +15,7 @@
 - `comma_list` is an argparse type for options like `--ops a,b,c` (chapter 2).
 - `load_lesson` loads another lesson file as a module, without running its main() (chapter 15).
 - `Hosts` makes several hosts on one Linux machine, network namespaces on a switch, to launch on (chapter 16).
+- `Slurm` runs a Slurm cluster on such hosts: a login host, compute nodes, real sbatch and srun (chapter 17).
 - `lessonlib.training` has the small deterministic model and data the DDP chapters compare against
   one process (chapter 5); import it from there.
 - `lessonlib.digits` has chapter 11's data pipeline (scikit-learn's bundled digits through torchvision
@@ -49,6 +50,7 @@ _WHERE = {
     "show_table": "launcher.display",
     "reserve_port": "launcher.ports",
     "Hosts": "launcher.hosts",
+    "Slurm": "launcher.slurm",
     "show_code": "notebook.code",
     "plot_ranks": "notebook.plots",
     "panel": "notebook.panel",

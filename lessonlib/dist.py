@@ -9,7 +9,9 @@ Reads what torchrun put in the environment, picks the backend from what this mac
 (gloo on CPU; nccl only when CUDA is available with a GPU for every local rank), and always passes a
 short `timeout` to `init_process_group`, so a collective that one rank never joins becomes an error
 instead of a hang. Under plain `python lesson.py` it sets up a real process group of one rank (an
-in-memory store), so the same collective calls run unchanged at world size 1.
+in-memory store), so the same collective calls run unchanged at world size 1. Under Slurm's `srun` with
+one task per rank and no torchrun, it first fills torchrun's variables from Slurm's (`from_slurm`,
+chapter 17), so every lesson also runs as `srun --ntasks-per-node=N python lessons/X.py`.
 """
 
 import datetime
@@ -64,6 +66,47 @@ def pick_backend(local_world_size):
     return "gloo"
 
 
+def from_slurm(env=os.environ):
+    """Under `srun` with one task per rank (no torchrun), set torchrun's variables from Slurm's; return the
+    names set ([] when torchrun has set them already, or this is no srun step of several tasks).
+
+    Slurm's batch script itself has SLURM_PROCID=0 and SLURM_NTASKS set too, though it is one process: only
+    a job step (SLURM_STEP_ID, which srun sets) has one task per rank. MASTER_ADDR and MASTER_PORT say where
+    rank 0's store listens; Slurm has no such variables, so the job script exports them (chapter 17).
+    """
+    if "RANK" in env or "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env:
+        return []
+    world = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1"
+    if int(world) == 1:
+        return []
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in env]
+    if missing:
+        raise RuntimeError(
+            f"srun started this rank without torchrun, and {' and '.join(missing)} is not set: export both in the "
+            'job script, e.g. MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) and '
+            "MASTER_PORT=$((20000 + SLURM_JOB_ID % 10000))"
+        )
+    node = int(env.get("SLURM_NODEID", "0"))
+    values = {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": world,
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": str(_tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", ""), node)),
+        "GROUP_RANK": str(node),
+    }
+    env.update(values)
+    return list(values)
+
+
+def _tasks_on_node(spec, node):
+    """Node `node`'s task count from Slurm's compressed per-node list: "2(x3),1" is 2, 2, 2, 1."""
+    counts = []
+    for part in filter(None, spec.split(",")):
+        count, _, times = part.partition("(x")
+        counts += [int(count)] * int(times.rstrip(")") or 1)
+    return counts[node] if node < len(counts) else 1
+
+
 def _env_int(name, default):
     value = os.environ.get(name)
     return default if value is None else int(value)
@@ -78,6 +121,7 @@ def setup(backend=None, timeout=None, device=None):
     """
     if device not in (None, "cpu"):
         raise ValueError(f"device must be None (pick from this machine) or 'cpu'; got {device!r}")
+    from_slurm()
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world_size = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)

@@ -1,0 +1,344 @@
+"""A Slurm cluster on one Linux machine: a login host and compute nodes on `lessonlib.Hosts` (chapter 17).
+
+    with lessonlib.Slurm(nodes=2) as cluster:          # hosts login, node1, node2 on one switch
+        print(cluster.run(["srun", "-N2", "hostname"]).stdout)     # run on the login host, as a user would
+        job = cluster.sbatch(script_text)               # a batch script; returns the job id
+        cluster.wait(job)                               # its state when it ends ("COMPLETED", ...)
+        print(cluster.output(job))                      # what it printed (slurm-JOBID.out)
+
+The login host runs `slurmctld` (the controller) and `munged` (the credential daemon); each compute node
+runs its own `slurmd` under its own hostname (`slurmd -N node1`), so `srun -N2` really starts tasks in two
+network namespaces, and a task's `hostname` is its node's. Every file the cluster needs (slurm.conf,
+cgroup.conf, a munge key, state, spool and log folders, job scripts and their output) is in one temporary
+folder, shared by all hosts as a cluster's shared filesystem is: the namespaces share this machine's disk.
+
+Settings a container's network namespaces need (each found by an error without it; chapter 17 shows them):
+- cgroup.conf `CgroupPlugin=cgroup/v1`: `ip netns exec` mounts a fresh /sys, with no cgroup filesystem in
+  it, and slurmd 22.05 always initialises a cgroup plugin ("No filesystem mounted on /sys/fs/cgroup").
+  Nothing uses cgroups here: ProctrackType=proctrack/linuxproc tracks a job's processes by parentage, and
+  TaskPlugin=task/none binds nothing.
+- a spool folder per node (SlurmdSpoolDir=.../%n), made before slurmd starts.
+- the node's layout as `slurmd -C` prints it (Sockets, CoresPerSocket, ThreadsPerCore), else slurmd
+  reports "Node reconfigured socket/core boundaries".
+- MailProg=/bin/true, since this machine has no mail program.
+- munged's socket folder readable by all (mode 755); one munged serves every host, since a Unix socket
+  is found through the filesystem, which the namespaces share.
+
+Cleanup. The folder's name and every daemon are in the Hosts' care before they exist: closing (normally,
+by an exception, by Ctrl-C) cancels every job, stops the daemons and removes everything; when this process
+dies without running any code (a notebook kernel killed), the Hosts' keeper kills every process in the
+namespaces, daemons and jobs included, and removes the folder.
+
+Needs what Hosts needs (Linux, iproute2, root) and Slurm (Debian: apt install slurm-wlm munge).
+`unavailable()` says which is missing, or None.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .hosts import Hosts, HostsUnavailable
+from .hosts import unavailable as hosts_unavailable
+
+MIN_NODES, MAX_NODES = 1, 3  # plus the login host: Hosts makes 2 to 4
+MIN_CPUS, MAX_CPUS = 1, 16
+PROGRAMS = ("slurmctld", "slurmd", "munged", "srun", "sbatch", "scontrol", "scancel", "sinfo", "squeue")
+CONTROLLER_PORT, NODE_PORT = 6817, 6818  # Slurm's defaults: free in fresh namespaces, which nothing else shares
+CRED_EXPIRE = 10  # seconds; Slurm's default is 120 (see slurm_conf)
+SCHED_INTERVAL = 2  # seconds; Slurm's defaults are 60 (main loop) and 30 (backfill)
+IDLE_BOUND = 30.0  # seconds for every node to report idle
+STOP_BOUND = 15.0  # seconds for jobs to end after scancel, and daemons after `scontrol shutdown`
+CLIENT_BOUND = 30.0  # default seconds for one client command (srun, sbatch, ...)
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL")
+REPO = Path(__file__).resolve().parents[2]
+
+
+class SlurmUnavailable(RuntimeError):
+    """This machine cannot run the cluster; the message says why."""
+
+
+def unavailable():
+    """Why a cluster cannot run here (a sentence), or None."""
+    if reason := hosts_unavailable():
+        return reason
+    missing = [p for p in PROGRAMS if shutil.which(p) is None]
+    if missing:
+        return f"Slurm's {', '.join(missing)} not found (Debian: apt install slurm-wlm munge)"
+    return None
+
+
+def _check(nodes, cpus):
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or not MIN_NODES <= nodes <= MAX_NODES:
+        raise ValueError(f"nodes (compute nodes, besides the login host) must be an int from 1 to 3; got {nodes!r}")
+    if isinstance(cpus, bool) or not isinstance(cpus, int) or not MIN_CPUS <= cpus <= MAX_CPUS:
+        raise ValueError(f"cpus (each node's CPUs, as Slurm counts them) must be an int from 1 to 16; got {cpus!r}")
+
+
+def slurm_conf(folder, controller, nodes, cpus):
+    """slurm.conf for a controller Host and compute node Hosts, everything in `folder`."""
+    lines = [
+        "ClusterName=lessons",
+        f"SlurmctldHost={controller.name}({controller.address})",
+        f"SlurmctldPort={CONTROLLER_PORT}",
+        f"SlurmdPort={NODE_PORT}",
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        # cred_expire: how long a job's credential lives, which is also how long a requeued job waits before
+        # it may start again (120 s by default); sched_interval: how often pending jobs are looked at (60 s).
+        f"AuthInfo=socket={folder}/munge/munge.sock,cred_expire={CRED_EXPIRE}",
+        f"StateSaveLocation={folder}/state",
+        f"SlurmdSpoolDir={folder}/spool/%n",
+        f"SlurmctldPidFile={folder}/run/slurmctld.pid",
+        f"SlurmdPidFile={folder}/run/slurmd.%n.pid",
+        f"SlurmctldLogFile={folder}/log/slurmctld.log",
+        f"SlurmdLogFile={folder}/log/slurmd.%n.log",
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core",
+        "ReturnToService=2",
+        "MpiDefault=none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "SchedulerType=sched/backfill",
+        f"SchedulerParameters=sched_interval={SCHED_INTERVAL},bf_interval={SCHED_INTERVAL}",
+        "InactiveLimit=0",
+        "KillWait=5",
+        "MailProg=/bin/true",
+    ]
+    for node in nodes:
+        layout = f"CPUs={cpus} Sockets=1 CoresPerSocket={cpus} ThreadsPerCore=1"
+        lines.append(f"NodeName={node.name} NodeAddr={node.address} {layout} State=UNKNOWN")
+    names = ",".join(n.name for n in nodes)
+    lines.append(f"PartitionName=batch Nodes={names} Default=YES MaxTime=INFINITE State=UP")
+    return "\n".join(lines) + "\n"
+
+
+class Slurm:
+    """A login host and `nodes` compute nodes (1 to 3) of `cpus` CPUs each; see the module's docstring."""
+
+    def __init__(self, nodes=2, *, cpus=2):
+        _check(nodes, cpus)
+        self.cpus = cpus
+        self.net = Hosts(nodes + 1, names=["login", *(f"node{i}" for i in range(1, nodes + 1))])
+        self.login, *self.nodes = self.net.hosts
+        self.folder = Path("/tmp") / f"lessonlib-slurm-{self.net.token}"
+        self.conf = self.folder / "slurm.conf"
+        self.jobs = self.folder / "jobs"
+        self._daemons = {}
+        self._submitted = 0
+        self._started = False
+
+    # --- lifetime ---------------------------------------------------------------------------------------
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def start(self):
+        """Start the cluster and wait until every node is idle (bounded); then call close()."""
+        if self._started:
+            raise RuntimeError("this cluster is started already")
+        if reason := unavailable():
+            raise SlurmUnavailable(reason)
+        self._started = True
+        self.net.start()
+        try:
+            self.net.keep(self.folder)  # the keeper removes it even if this process dies
+            self._write_files()
+            self._start_daemons()
+            self._wait_idle()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _write_files(self):
+        f = self.folder
+        for sub in ("munge", "state", "log", "run", "jobs", "tmp", *(f"spool/{n.name}" for n in self.nodes)):
+            (f / sub).mkdir(parents=True, exist_ok=True)
+        for path in (f, f / "munge"):
+            path.chmod(0o755)  # munged: "execute permissions for all required" on its socket's folders
+        key = f / "munge" / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        self.conf.write_text(slurm_conf(f, self.login, self.nodes, self.cpus))
+        (f / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")  # skips probing /sys/fs/cgroup
+
+    def _daemon(self, name, host, argv):
+        log = open(self.folder / "log" / f"{name}.out", "wb")
+        with log:
+            self._daemons[name] = self.net.popen(host, argv, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+
+    def _start_daemons(self):
+        m = self.folder / "munge"
+        munge = ["munged", "-F", f"--socket={m}/munge.sock", f"--key-file={m}/munge.key"]
+        munge += [f"--pid-file={m}/munged.pid", f"--seed-file={m}/munged.seed", f"--log-file={m}/munged.log"]
+        self._daemon("munged", self.login, munge)
+        self._poll(lambda: (m / "munge.sock").exists(), 10, "munged to make its socket")
+        self._daemon("slurmctld", self.login, ["slurmctld", "-D", "-f", self.conf])
+        for node in self.nodes:
+            self._daemon(f"slurmd.{node.name}", node, ["slurmd", "-D", "-N", node.name, "-f", self.conf])
+
+    def _wait_idle(self):
+        def idle():
+            out = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=10)
+            states = dict(line.split() for line in out.stdout.splitlines() if len(line.split()) == 2)
+            return out.returncode == 0 and len(states) == len(self.nodes) and set(states.values()) == {"idle"}
+
+        self._poll(idle, IDLE_BOUND, "every node to be idle")
+
+    def _poll(self, check, bound, what):
+        deadline = time.monotonic() + bound
+        while not check():
+            for name, proc in self._daemons.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited ({proc.returncode}) while waiting for {what}:\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"waited {bound:.0f} s for {what}, in vain:\n{self.logs()}")
+            time.sleep(0.2)
+
+    def logs(self, lines=15):
+        """The last `lines` lines of each daemon's log, for an error message."""
+        parts = []
+        for path in sorted((self.folder / "log").glob("*")):
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {path.name}\n" + "\n".join(text))
+        return "\n".join(parts)
+
+    def close(self):
+        """Cancel every job, stop the daemons, remove the hosts and every file. Idempotent."""
+        if not self._started or self.net.closed:
+            return
+        try:
+            if not self.net.closed and "slurmctld" in self._daemons and self._daemons["slurmctld"].poll() is None:
+                self._cancel_all()
+                self.run(["scontrol", "shutdown"], timeout=STOP_BOUND)  # slurmctld and every slurmd
+                for proc in self._daemons.values():
+                    if proc.args[-1] == "munged" or "munged" in proc.args:
+                        proc.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + STOP_BOUND
+                for proc in self._daemons.values():
+                    try:
+                        proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        pass  # the Hosts' close kills it
+        finally:
+            self.net.close()  # kills whatever is left in the hosts, removes them and the folder
+
+    def _cancel_all(self):
+        jobs = self.run(["squeue", "-h", "-o", "%i"], timeout=10).stdout.split()
+        if not jobs:
+            return
+        self.run(["scancel", *jobs], timeout=10)
+        deadline = time.monotonic() + STOP_BOUND
+        while time.monotonic() < deadline and self.run(["squeue", "-h", "-o", "%i"], timeout=10).stdout.split():
+            time.sleep(0.2)
+
+    # --- using it -------------------------------------------------------------------------------------
+
+    def env(self):
+        """The environment of a command on this cluster: this process's, without any SLURM_ variable (this
+        notebook may itself run inside a real Slurm job), with SLURM_CONF naming this cluster's slurm.conf and
+        this Python's folder first on PATH (so that jobs find this `python` and `torchrun`), and TMPDIR in the
+        cluster's folder, as many clusters give each job a temporary folder of its own."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        env["SLURM_CONF"] = str(self.conf)
+        env["TMPDIR"] = str(self.folder / "tmp")  # jobs' temporary files (torchrun's logs) go with the cluster
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", os.defpath)])
+        return env
+
+    def run(self, argv, timeout=CLIENT_BOUND, *, host=None, input=None):
+        """Run a command on `host` (the login host by default) in the repository's root, bounded; returns
+        its Finished (returncode, stdout with stderr, seconds, timed_out). For `srun` and other commands that
+        end with their work: on a timeout it kills what the command started, jobs' tasks included."""
+        from .processes import run_bounded
+
+        self._live()
+        prefix = self.net.prefix(host or self.login)
+        return run_bounded([*prefix, *map(str, argv)], timeout, cwd=REPO, env=self.env(), input=input)
+
+    def sbatch(self, script, *args, options=(), timeout=CLIENT_BOUND):
+        """Submit a batch script from the login host, in the repository's root, with `args` after it (what the
+        script reads as "$@"), and sbatch's `options` before it; return the job id. `script` is a file's path
+        (relative to the repository's root), or a script's text (anything with a newline), which is written
+        to the cluster's jobs/ folder first. The job's output goes to jobs/slurm-JOBID.out (read it with
+        output()) unless `options` say otherwise."""
+        self._live()
+        if "\n" in str(script):
+            self._submitted += 1
+            path = self.jobs / f"script-{self._submitted}.sbatch"
+            path.write_text(script)
+        else:
+            path = REPO / script
+            if not path.is_file():
+                raise ValueError(f"no batch script {script}: give a file's path (from {REPO}) or a script's text")
+        argv = ["sbatch", "--parsable", f"--output={self.jobs}/slurm-%j.out", *map(str, options), path, *args]
+        # Not run_bounded: the job inherits this environment, and run_bounded's mark would have its end kill it.
+        out = subprocess.run(
+            [*self.net.prefix(self.login), *map(str, argv)],
+            cwd=REPO,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"sbatch refused {path.name}: {(out.stderr or out.stdout).strip()}")
+        return out.stdout.strip().split(";")[0]
+
+    def job(self, job):
+        """scontrol's fields of a job (JobState, NodeList, Restarts, ExitCode, ...) as a dict."""
+        out = self.run(["scontrol", "-o", "show", "job", str(job)], timeout=10)
+        if out.returncode != 0:
+            raise RuntimeError(f"no job {job}: {out.stdout.strip()}")
+        return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+
+    def wait(self, job, timeout=120, *, states=ENDED):
+        """Wait until the job's state is one of `states` (by default: it has ended); return its fields.
+        TimeoutError after `timeout` seconds (the job is left running: close() cancels it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            fields = self.job(job)
+            if fields.get("JobState") in states:
+                return fields
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job} still {fields.get('JobState')} after {timeout} s")
+            time.sleep(0.2)
+
+    def output(self, job):
+        """What the job has written to jobs/slurm-JOBID.out so far ('' before it starts)."""
+        path = self.jobs / f"slurm-{job}.out"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def processes(self, pattern=""):
+        """Processes running on the compute nodes whose command line contains `pattern`, as (node, pid,
+        command line), Slurm's own daemons and step managers left out: what a job left behind."""
+        found = []
+        for node in self.nodes:
+            out = subprocess.run(["ip", "netns", "pids", node.namespace], capture_output=True, text=True, timeout=10)
+            for pid in out.stdout.split():
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                except OSError:
+                    continue
+                program = os.path.basename(cmd.split(" ")[0]) if cmd else ""
+                if cmd and program not in ("slurmd", "slurmstepd", "unshare", "ip") and pattern in cmd:
+                    found.append((node.name, int(pid), cmd))
+        return found
+
+    def _live(self):
+        if not self._started or self.net.closed:
+            raise RuntimeError("this cluster is not running: use it inside its `with` block")
+
+
+__all__ = ["Slurm", "SlurmUnavailable", "HostsUnavailable", "unavailable", "slurm_conf"]
