@@ -29,10 +29,13 @@ SLURM = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
 TORCHRUN = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE")
 
 
-def identity():
-    """This process's host and the numbers the scheduler and the launcher gave it."""
+def identity(ctx):
+    """This process's host and the numbers the scheduler and the launcher gave it (under plain python,
+    torchrun's are the ones lessonlib.setup assumed: rank 0 of 1)."""
     row = {"host": socket.gethostname(), "pid": os.getpid()}
-    row.update({name: os.environ.get(name, "") for name in SLURM + TORCHRUN})
+    row.update({name: os.environ.get(name, "") for name in SLURM})
+    assumed = (ctx.rank, ctx.local_rank, ctx.group_rank, ctx.world_size)
+    row.update({name: os.environ.get(name) or str(value) for name, value in zip(TORCHRUN, assumed)})
     return row
 
 
@@ -83,7 +86,7 @@ def main():
     parser.add_argument("--pg-timeout", type=float, default=30.0, help="seconds a collective may wait")
     args = parser.parse_args()
     ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)
-    me = identity()
+    me = identity(ctx)
     line = "  ".join(f"{k}={v}" for k, v in me.items() if k != "pid")
     sys.stdout.write(f"rank {ctx.rank}: {line}\n")
     sys.stdout.flush()
