@@ -1,0 +1,431 @@
+"""lessonlib.Slurm (chapter 17): real Slurm daemons on real network namespaces, real jobs, real gloo; no mocks.
+
+What is refused before anything is made; why a machine cannot run a cluster; how lessonlib.dist maps an srun
+step's variables to torchrun's (plain dicts); what a running cluster does (idle nodes, srun on both nodes, a
+torchrun job and an srun job of 4 ranks whose rank mapping 17_ranks.py checks, a job cancelled mid-run whose
+ranks are gone at once); and that a cluster leaves nothing behind, whether its block ends normally, by an
+exception, by Ctrl-C or by its process being killed.
+
+A cluster starts in about 1.5 s, but every torch process costs about 1.5 CPU-seconds: the job tests share one
+cluster (one xdist group) and run three jobs in all; the cleanup tests each start a one-node cluster.
+"""
+
+import os
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lessonlib.dist import _tasks_on_node, from_slurm
+from lessonlib.launcher.hosts import NETNS_ETC
+from lessonlib.launcher.hosts import unavailable as hosts_unavailable
+from lessonlib.launcher.slurm import PROGRAMS, Slurm, unavailable
+
+ROOT = Path(__file__).resolve().parent.parent
+NETNS_RUN = Path("/run/netns")  # where `ip netns add` names a namespace
+GONE_BOUND = 15.0  # seconds for everything of a cluster to be removed once its owner ends or dies
+START_BOUND = 60.0  # seconds for a child to start a cluster (the helper's own bound for idle nodes is 30 s)
+JOB_BOUND = 120.0  # seconds for a job of 4 torch ranks to end (about 10 s here)
+STEP_BOUND = 60.0  # seconds for a job's ranks to print their first steps
+CANCEL_BOUND = 15.0  # seconds for a cancelled job's ranks to be gone (0.7 s here)
+NOBODY = 65534
+DAEMONS = {"slurmctld", "slurmd", "munged"}
+GROUP = pytest.mark.xdist_group("slurm-cluster")  # the tests of the shared cluster: one worker, in order
+
+pytestmark = pytest.mark.timeout(240)  # a backstop: every wait below has its own, shorter bound
+
+# A process that owns a one-node cluster and is then interrupted or killed (a notebook kernel): it prints the
+# cluster's token and folder once start() has returned (every node idle), then waits.
+OWNER = """
+import time
+from lessonlib.launcher.slurm import Slurm
+with Slurm(nodes=1) as cluster:
+    print(cluster.net.token, cluster.folder, flush=True)
+    time.sleep(120)
+"""
+RANKS = ["lessons/17_ranks.py", "--expect-world", "4", "--expect-nodes", "2"]
+
+
+@pytest.fixture
+def can_run_slurm():
+    if reason := unavailable():
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two compute nodes of 2 CPUs, shared by the job tests (GROUP); checked to leave nothing when closed."""
+    if reason := unavailable():
+        pytest.skip(reason)
+    with Slurm(nodes=2) as cluster:
+        yield cluster
+    assert wait_gone(cluster.net.token, cluster.folder) == []
+
+
+def carrying(text):
+    """Processes (not this one) whose command line contains `text`, as (pid, argv)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+        except OSError:
+            continue
+        if argv and text in " ".join(argv):  # a zombie's command line is empty: it is gone
+            found.append((int(entry.name), argv))
+    return found
+
+
+def programs(processes):
+    return {os.path.basename(argv[0]) for _, argv in processes}
+
+
+def leftovers(token, folder):
+    """What of the cluster `token` still exists: namespaces, /etc/netns folders, its folder, its processes."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    left = [f"netns {line.split()[0]}" for line in listed.splitlines() if f"lh{token}-" in line]
+    left += [str(p) for base in (NETNS_RUN, NETNS_ETC) if base.is_dir() for p in base.glob(f"lh{token}-*")]
+    left += [str(folder)] if Path(folder).exists() else []
+    return left + [f"pid {pid}: {' '.join(argv)}" for pid, argv in carrying(str(folder))]
+
+
+def wait_gone(token, folder, bound=GONE_BOUND):
+    """Wait until nothing of cluster `token` is left (leftovers); return what is."""
+    deadline = time.monotonic() + bound
+    while True:
+        left = leftovers(token, folder)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def assert_running(token, folder):
+    """The cluster's namespaces, folder and three daemons exist: what the cleanup tests then see removed."""
+    assert {f"lh{token}-login", f"lh{token}-node1", f"lh{token}-switch"} <= set(os.listdir(NETNS_RUN))
+    assert (Path(folder) / "slurm.conf").is_file()
+    assert DAEMONS <= programs(carrying(str(folder))), carrying(str(folder))
+
+
+def poll(check, bound, what):
+    """check()'s first true value, polled every 0.2 s for at most `bound` seconds."""
+    deadline = time.monotonic() + bound
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {bound:.0f} s")
+        time.sleep(0.2)
+    return value
+
+
+def read_line(proc, bound, what):
+    """The next line `proc` prints (its stdout a text pipe), waiting at most `bound` seconds."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(bound):
+            pytest.fail(f"no {what} within {bound:.0f} s")
+    line = proc.stdout.readline()
+    if not line:
+        pytest.fail(f"{what}: the process ended first (exit {proc.wait(timeout=5)}):\n{proc.stderr.read()}")
+    return line.strip()
+
+
+def rank_lines(output):
+    """17_ranks.py's identity lines in a job's output (srun --label): [(task label, {field: value})]."""
+    rows = []
+    for label, fields in re.findall(r"^(\d+): rank \d+: (host=.*)$", output, re.M):
+        rows.append((int(label), dict(f.split("=", 1) for f in fields.split())))
+    return rows
+
+
+# --------------------------------------------------------------------------- refused before anything is made
+
+
+def _made():
+    """This machine's namespaces and cluster folders: what a cluster would add."""
+    tmp = {str(p) for p in Path("/tmp").glob("lessonlib-slurm-*")}
+    return (set(os.listdir(NETNS_RUN)) if NETNS_RUN.is_dir() else set()) | tmp
+
+
+_writes = None  # a list while a refusal runs: the folders and files this process makes (audit events)
+
+
+def _note_writes(event, args):
+    if _writes is None:
+        return
+    if event == "os.mkdir" or (
+        event == "open" and (any(c in str(args[1]) for c in "wax+") or (args[2] or 0) & (os.O_CREAT | os.O_WRONLY))
+    ):
+        _writes.append((event, str(args[0])))
+
+
+sys.addaudithook(_note_writes)
+
+
+def refusal(kwargs):
+    """Slurm(**kwargs)'s ValueError, and what appeared meanwhile: the folders and files this process made,
+    and new namespaces and cluster folders. Another process (another xdist worker's cluster) may make one at
+    that moment, so the constructor is tried three times: what it makes itself, it makes every time."""
+    global _writes
+    appeared, error = [], None
+    for _ in range(3):
+        before, _writes = _made(), []
+        try:
+            Slurm(**kwargs)
+        except ValueError as e:
+            error = e
+        finally:
+            writes, _writes = _writes, None
+        assert writes == [], f"Slurm({kwargs}) made {writes} before refusing"
+        appeared.append(_made() - before)
+        if not appeared[-1]:
+            break
+    assert not all(appeared), f"each of three Slurm({kwargs}) added {appeared}"
+    return error
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        (dict(nodes=0), "nodes (compute nodes, besides the login host) must be an int from 1 to 3"),
+        (dict(nodes=4), "nodes (compute nodes, besides the login host) must be an int from 1 to 3"),
+        (dict(nodes=True), "nodes (compute nodes, besides the login host) must be an int from 1 to 3"),
+        (dict(nodes="2"), "nodes (compute nodes, besides the login host) must be an int from 1 to 3"),
+        (dict(nodes=2.0), "nodes (compute nodes, besides the login host) must be an int from 1 to 3"),
+        (dict(cpus=0), "cpus (each node's CPUs, as Slurm counts them) must be an int from 1 to 16"),
+        (dict(cpus=17), "cpus (each node's CPUs, as Slurm counts them) must be an int from 1 to 16"),
+    ],
+)
+def test_bad_input_is_refused_saying_what_is_allowed(kwargs, says):
+    """Refused in the constructor: no process started (the unit mark's audit hook), no file, no namespace."""
+    error = refusal(kwargs)
+    assert isinstance(error, ValueError), f"Slurm({kwargs}) was not refused"
+    assert says in str(error) and f"got {next(iter(kwargs.values()))!r}" in str(error), str(error)
+
+
+# --------------------------------------------------------------------------- why a machine cannot run one
+
+
+def test_without_root_unavailable_names_root():
+    if os.geteuid() != 0:
+        pytest.skip("runs as root to drop to an unprivileged user; this test process is not root")
+    # A child: Hosts' check is cached per process. It drops to nobody itself, after starting as root.
+    code = (
+        "import os; from lessonlib.launcher.slurm import unavailable; "
+        f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY}); print(unavailable())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "needs root" in out.stdout and f"uid {NOBODY}" in out.stdout, out.stdout
+
+
+def test_without_slurm_unavailable_names_it_and_how_to_install(tmp_path):
+    """A child whose PATH has ip, tc, unshare, python and true (Hosts' probe runs `unshare --uts true`) and no
+    Slurm program; then, as the control, this PATH: the same check says None."""
+    if reason := hosts_unavailable():
+        pytest.skip(reason)
+    for program in ("ip", "tc", "unshare", "true"):
+        (tmp_path / program).symlink_to(shutil.which(program))
+    (tmp_path / "python").symlink_to(sys.executable)
+    code = (
+        "import os, sys; from lessonlib.launcher.slurm import unavailable; print(unavailable()); "
+        "os.environ['PATH'] = sys.argv[1]; print(unavailable())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, os.environ["PATH"]],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    without, control = out.stdout.splitlines()
+    assert "slurmctld" in without and "apt install slurm-wlm munge" in without, without
+    assert all(p in without for p in PROGRAMS), without
+    assert control == "None", out.stdout
+
+
+# --------------------------------------------------------------------------- srun's variables as torchrun's
+
+
+def step(**extra):
+    """The environment of task 3 of an srun step of 4 tasks on 2 nodes (2 each), with rank 0's address."""
+    env = {
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "3",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "MASTER_ADDR": "node1",
+        "MASTER_PORT": "20001",
+    }
+    env.update(extra)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+@pytest.mark.unit
+def test_from_slurm_maps_an_srun_step_to_torchrun_variables():
+    env = step()
+    names = from_slurm(env)
+    assert sorted(names) == sorted(["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"])
+    assert {n: env[n] for n in names} == {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+    }
+    # Without SLURM_STEP_NUM_TASKS, the job's SLURM_NTASKS; node 1 of "3,1" runs 1 task.
+    env = step(SLURM_STEP_NUM_TASKS=None, SLURM_STEP_TASKS_PER_NODE="3,1", SLURM_LOCALID="0")
+    assert from_slurm(env) and (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["LOCAL_RANK"]) == ("4", "1", "0")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "spec, node, tasks",
+    [("2(x2)", 0, 2), ("2(x2)", 1, 2), ("3,1", 0, 3), ("3,1", 1, 1), ("2(x3),1", 2, 2), ("2(x3),1", 3, 1)],
+)
+def test_tasks_on_node_reads_slurms_compressed_list(spec, node, tasks):
+    assert _tasks_on_node(spec, node) == tasks
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "env",
+    [
+        # The batch script: SLURM_PROCID and SLURM_NTASKS too, but one process, no step.
+        step(SLURM_STEP_ID=None, SLURM_STEP_NUM_TASKS=None, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0"),
+        step(RANK="2", WORLD_SIZE="4"),  # torchrun has set them (torchrun under srun)
+        step(SLURM_STEP_NUM_TASKS="1", SLURM_NTASKS="1", SLURM_PROCID="0"),  # a one-task step
+    ],
+    ids=["batch-script", "torchrun-set-rank", "one-task-step"],
+)
+def test_from_slurm_leaves_other_environments_alone(env):
+    before = dict(env)
+    assert from_slurm(env) == []
+    assert env == before
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("missing", ["MASTER_PORT", "MASTER_ADDR"])
+def test_from_slurm_without_rank_zeros_address_names_what_is_missing(missing):
+    with pytest.raises(RuntimeError, match=f"{missing} is not set"):
+        from_slurm(step(**{missing: None}))
+
+
+# --------------------------------------------------------------------------- a running cluster
+
+
+@GROUP
+def test_every_node_is_idle_and_srun_runs_a_task_on_each(cluster):
+    sinfo = cluster.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=10)
+    assert sinfo.returncode == 0, sinfo.stdout
+    assert dict(line.split() for line in sinfo.stdout.splitlines()) == {"node1": "idle", "node2": "idle"}
+    assert cluster.run(["hostname"], timeout=10).stdout.strip() == "login"  # clients run on the login host
+    out = cluster.run(["srun", "-N2", "-l", "hostname"], timeout=30)
+    assert out.returncode == 0, out.stdout
+    assert sorted(out.stdout.split("\n")[:-1]) == ["0: node1", "1: node2"], out.stdout
+    # Each task's hostname is its node's: the one Slurm says it runs on.
+    out = cluster.run(["srun", "-N2", "-l", "sh", "-c", 'echo "$(hostname) $SLURMD_NODENAME"'], timeout=30)
+    assert out.returncode == 0, out.stdout
+    assert sorted(out.stdout.split("\n")[:-1]) == ["0: node1 node1", "1: node2 node2"], out.stdout
+
+
+@GROUP
+def test_a_job_of_four_ranks_on_two_nodes_is_correct(cluster):
+    """17_ranks.py checks the job's rank mapping on every rank; srun.sbatch starts one task per rank
+    (lessonlib.setup maps Slurm's variables). Chapter 17 runs torchrun.sbatch the same way and asserts the
+    same of it, so that job is not run twice."""
+    script = "srun"
+    job = cluster.sbatch(f"lessons/slurm/{script}.sbatch", *RANKS)
+    fields = cluster.wait(job, JOB_BOUND)
+    out = cluster.output(job)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), out
+    assert fields["NodeList"] == "node[1-2]", fields
+    # Not anchored at a line's start: two ranks of one torchrun share its output, and print() under `python -u`
+    # writes a line's text and its newline apart, so two ranks' lines can come out as one.
+    assert sorted(re.findall(r"rank (\d+): a correct job of 4 ranks", out)) == ["0", "1", "2", "3"], out
+    rows = rank_lines(out)
+    assert sorted(int(r["RANK"]) for _, r in rows) == [0, 1, 2, 3], out
+    assert sorted(r["host"] for _, r in rows) == ["node1", "node1", "node2", "node2"], out
+    # one task per rank: srun's task id is the rank, on the line's label too
+    assert sorted(r["SLURM_PROCID"] for _, r in rows) == ["0", "1", "2", "3"], out
+    assert all(label == int(r["SLURM_PROCID"]) == int(r["RANK"]) for label, r in rows), out
+    assert all(r["SLURM_NODEID"] == r["GROUP_RANK"] for _, r in rows), out
+
+
+@GROUP
+def test_scancel_ends_a_running_jobs_ranks_at_once(cluster):
+    """One rank per node, started by srun alone (chapter 17 cancels the torchrun form and asserts the same)."""
+    lesson = ["lessons/12_preempt.py", "--no-handler", "--steps", "100", "--step-time", "0.5"]
+    job = cluster.sbatch("lessons/slurm/srun.sbatch", *lesson, options=["--ntasks-per-node=1"])
+    poll(lambda: "step 2 done" in cluster.output(job), STEP_BOUND, f"'step 2 done' from job {job}")
+    running = cluster.processes("lessons/")  # the batch script, srun and the ranks
+    ranks = sorted(node for node, _, cmd in running if cmd.split()[0].endswith("python") and "slurm_script" not in cmd)
+    assert ranks == ["node1", "node2"], running  # so the check below can fail
+    cancelled = cluster.run(["scancel", job], timeout=10)
+    assert cancelled.returncode == 0, cancelled.stdout
+    started = time.monotonic()
+    deadline = started + CANCEL_BOUND
+    while (left := cluster.processes("lessons/")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == [], f"{len(left)} process(es) of job {job} {CANCEL_BOUND:.0f} s after scancel: {left}"
+    assert cluster.wait(job, CANCEL_BOUND)["JobState"] == "CANCELLED"
+
+
+# --------------------------------------------------------------------------- nothing left behind
+
+
+def test_closing_normally_removes_everything(can_run_slurm):
+    with Slurm(nodes=1) as cluster:
+        token, folder = cluster.net.token, cluster.folder
+        assert_running(token, folder)
+    assert wait_gone(token, folder) == []
+
+
+def test_an_exception_in_the_block_removes_everything_and_propagates(can_run_slurm):
+    with pytest.raises(RuntimeError, match="raised inside"):
+        with Slurm(nodes=1) as cluster:
+            token, folder = cluster.net.token, cluster.folder
+            assert_running(token, folder)
+            raise RuntimeError("raised inside the with block")
+    assert wait_gone(token, folder) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
+def test_an_interrupted_or_killed_owner_leaves_nothing(can_run_slurm, sig):
+    """Ctrl-C: the block's exit stops the daemons and removes everything. SIGKILL (a notebook kernel killed):
+    no code of the owner runs, and the keeper kills the daemons and removes the hosts and the folder."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", OWNER],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        token, folder = read_line(child, START_BOUND, "token from the child that starts the cluster").split()
+        assert_running(token, folder)
+        os.kill(child.pid, sig)
+        child.wait(timeout=GONE_BOUND)
+        if sig == signal.SIGINT:
+            assert "KeyboardInterrupt" in child.stderr.read()
+        assert wait_gone(token, folder) == []
+    finally:
+        child.kill()  # its keeper then removes its cluster
+        child.communicate(timeout=GONE_BOUND)
