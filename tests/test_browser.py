@@ -534,7 +534,9 @@ def test_lesson_code_is_captioned_with_its_file(visit):
             seen += 1
             caption = code["caption"] or ""
             if not re.fullmatch(
-                r"(lessons|lessonlib(/\w+)?)/\w+\.py · ((region|function|class) [\w.-]+|whole file)", caption
+                r"(lessons|lessonlib(/\w+)?)/\w+\.py · ((region|function|class) [\w.-]+|whole file)"
+                r"|lessons/slurm/\w+\.sbatch · region \w+",  # chapter 17's job scripts
+                caption,
             ) and not re.fullmatch(r"diff · lessons/\w+\.py.* → lessons/\w+\.py.*", caption):
                 bad.append(f"{name}: caption {code['caption']!r}")
             elif not code["framed"] or code["rule"] < 2:

@@ -220,12 +220,10 @@ class Slurm:
         if not self._started or self.net.closed:
             return
         try:
-            if not self.net.closed and "slurmctld" in self._daemons and self._daemons["slurmctld"].poll() is None:
+            if "slurmctld" in self._daemons and self._daemons["slurmctld"].poll() is None:
                 self._cancel_all()
                 self.run(["scontrol", "shutdown"], timeout=STOP_BOUND)  # slurmctld and every slurmd
-                for proc in self._daemons.values():
-                    if proc.args[-1] == "munged" or "munged" in proc.args:
-                        proc.send_signal(signal.SIGTERM)
+                self._daemons["munged"].send_signal(signal.SIGTERM)  # no client needs it any more
                 deadline = time.monotonic() + STOP_BOUND
                 for proc in self._daemons.values():
                     try:
