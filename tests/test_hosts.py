@@ -250,12 +250,13 @@ def test_launch_refuses_closed_hosts_and_torchrun_options_it_sets_itself():
         lessonlib.launch(LESSON, nproc=1, torchrun_args="--nnodes=2", show="none")
 
 
-def test_without_root_unavailable_names_root():
+@pytest.mark.parametrize("module", ["hosts", "slurm"])  # chapter 17's cluster asks Hosts first
+def test_without_root_unavailable_names_root(module):
     if os.geteuid() != 0:
         pytest.skip("runs as root to drop to an unprivileged user; this test process is not root")
     # The child drops to nobody itself, after starting as root: the interpreter may be where nobody cannot read.
     code = (
-        "import os; from lessonlib.launcher.hosts import unavailable; "
+        f"import os; from lessonlib.launcher.{module} import unavailable; "
         f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY}); print(unavailable())"
     )
     out = subprocess.run(
