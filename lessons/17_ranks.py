@@ -10,12 +10,14 @@ Slurm) and torchrun's RANK, LOCAL_RANK, GROUP_RANK and WORLD_SIZE. Under `srun` 
 and no torchrun, lessonlib.setup fills torchrun's variables from Slurm's first (lessonlib.dist.from_slurm).
 Then every rank gathers every rank's line and asserts what a correct job has: ranks 0 to WORLD_SIZE-1
 once each, one node index per host, local ranks 0 to n-1 on each host, and RANK = the ranks of the nodes
-before this one + LOCAL_RANK. A job started twice over, or whose nodes all believe they are node 0, fails
-here (or before: in init_process_group, within --pg-timeout). Rank 0 prints the table.
+before this one + LOCAL_RANK; under Slurm, ranks on every node of the job's node list, and on no other.
+A job started twice over, or whose nodes all believe they are node 0, fails here (or before: in
+init_process_group, within --pg-timeout). Rank 0 prints the table.
 """
 
 import argparse
 import os
+import re
 import socket
 import sys
 
@@ -42,11 +44,36 @@ def identity(ctx):
 # [end: identity]
 
 
+# [start: expand]
+def expand(nodelist):
+    """Slurm's compressed node list as host names, in order: "gpu[08-10],cpu1" is gpu08 gpu09 gpu10 cpu1."""
+    names = []
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,\[]*", nodelist):  # commas outside brackets separate
+        m = re.fullmatch(r"(.*)\[(.*)\](.*)", item)
+        if not m:
+            names.append(item)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for part in ranges.split(","):
+            low, _, high = part.partition("-")
+            for i in range(int(low), int(high or low) + 1):
+                names.append(f"{prefix}{i:0{len(low)}d}{suffix}")
+    return names
+
+
+# [end: expand]
+
+
 # [start: check]
-def problems(rows):
-    """What is wrong with a job's rows (all ranks'), as sentences; [] for a correct job."""
+def problems(rows, nodelist=None):
+    """What is wrong with a job's rows (all ranks'), as sentences; [] for a correct job. Under Slurm,
+    `nodelist` (SLURM_JOB_NODELIST) names the job's nodes: each must run ranks, and no other host."""
     world = len(rows)
     found = []
+    if nodelist:
+        nodes, hosts = expand(nodelist), {r["host"] for r in rows}
+        found += [f"no rank on {n}, a node of the job" for n in nodes if n not in hosts]
+        found += [f"ranks on {h}, which is not a node of the job" for h in sorted(hosts - set(nodes))]
     ranks = sorted(int(r["RANK"]) for r in rows)
     if ranks != list(range(world)):
         found.append(f"ranks {ranks}, not 0..{world - 1} once each")
@@ -98,7 +125,7 @@ def main():
     if ctx.is_main:
         lessonlib.show_table(rows, title=f"{ctx.world_size} ranks on {len({r['host'] for r in rows})} hosts")
     assert total.item() == ctx.world_size, f"all_reduce of ones gave {total.item()}, not {ctx.world_size}"
-    found = problems(rows)
+    found = problems(rows, os.environ.get("SLURM_JOB_NODELIST"))
     assert not found, f"rank {ctx.rank}: this job is wrong: {'; '.join(found)}"
     if args.expect_world is not None:
         assert ctx.world_size == args.expect_world, f"{ctx.world_size} ranks, not {args.expect_world}"
