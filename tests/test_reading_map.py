@@ -114,7 +114,7 @@ def test_the_short_path_takes_core_sections_only(tmp_path):
 TEACHES = re.compile(
     r"lessonlib\.launch\(|panel\(|check_function|^def |^import |^from |show_code|run_python|run_bounded"
     r"|per_rank_bytes\(|sent_per_step\(|\bplan\("  # chapter 13's calculator is lesson material
-    r"|\bsbatch\(|\bsubmit\(",  # chapter 17's Slurm jobs are its launches
+    r"|sbatch\(",  # chapter 17's Slurm jobs (cluster.sbatch, run_sbatch) are its launches
     re.M,
 )
 # A code cell that only presents a result: a table, a plot.

@@ -11,7 +11,6 @@ cluster (one xdist group) and run three jobs in all; the cleanup tests each star
 """
 
 import os
-import selectors
 import shutil
 import signal
 import subprocess
@@ -22,12 +21,12 @@ from pathlib import Path
 import pytest
 
 from lessonlib.dist import _tasks_on_node, from_slurm
-from lessonlib.launcher.hosts import NETNS_ETC
 from lessonlib.launcher.hosts import unavailable as hosts_unavailable
 from lessonlib.launcher.slurm import PROGRAMS, Slurm, unavailable
+from test_hosts import NETNS_RUN, read_line
+from test_hosts import leftovers as network_leftovers
 
 ROOT = Path(__file__).resolve().parent.parent
-NETNS_RUN = Path("/run/netns")  # where `ip netns add` names a namespace
 GONE_BOUND = 15.0  # seconds for everything of a cluster to be removed once its owner ends or dies
 START_BOUND = 60.0  # seconds for a child to start a cluster (the helper's own bound for idle nodes is 30 s)
 JOB_BOUND = 120.0  # seconds for a job of 4 torch ranks to end (about 10 s here)
@@ -86,10 +85,7 @@ def programs(processes):
 
 def leftovers(token, folder):
     """What of the cluster `token` still exists: namespaces, /etc/netns folders, its folder, its processes."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
-    left = [f"netns {line.split()[0]}" for line in listed.splitlines() if f"lh{token}-" in line]
-    left += [str(p) for base in (NETNS_RUN, NETNS_ETC) if base.is_dir() for p in base.glob(f"lh{token}-*")]
-    left += [str(folder)] if Path(folder).exists() else []
+    left = network_leftovers(token) + ([str(folder)] if Path(folder).exists() else [])
     return left + [f"pid {pid}: {' '.join(argv)}" for pid, argv in carrying(str(folder))]
 
 
@@ -118,18 +114,6 @@ def poll(check, bound, what):
             pytest.fail(f"no {what} within {bound:.0f} s")
         time.sleep(0.2)
     return value
-
-
-def read_line(proc, bound, what):
-    """The next line `proc` prints (its stdout a text pipe), waiting at most `bound` seconds."""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(bound):
-            pytest.fail(f"no {what} within {bound:.0f} s")
-    line = proc.stdout.readline()
-    if not line:
-        pytest.fail(f"{what}: the process ended first (exit {proc.wait(timeout=5)}):\n{proc.stderr.read()}")
-    return line.strip()
 
 
 # --------------------------------------------------------------------------- refused before anything is made

@@ -323,9 +323,9 @@ def _execute_stale(app, env, docnames):
 
 
 def _launches(path):
-    # lessonlib's launches, and chapter 17's Slurm jobs (its cluster's sbatch, and its cells' submit helper)
+    # lessonlib's launches, and Slurm jobs (chapter 17: `cluster.sbatch(`, `run_sbatch(`)
     text = path.read_text()
-    return sum(text.count(f"{name}(") for name in ("launch", "check_function", "panel", "sbatch", "submit"))
+    return sum(text.count(f"{name}(") for name in ("launch", "check_function", "panel", "sbatch"))
 
 
 def setup(app):

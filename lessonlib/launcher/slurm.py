@@ -44,6 +44,7 @@ from pathlib import Path
 
 from .hosts import Hosts, HostsUnavailable
 from .hosts import unavailable as hosts_unavailable
+from .spec import ROOT
 
 MIN_NODES, MAX_NODES = 1, 3  # plus the login host: Hosts makes 2 to 4
 MIN_CPUS, MAX_CPUS = 1, 16
@@ -55,7 +56,6 @@ IDLE_BOUND = 30.0  # seconds for every node to report idle
 STOP_BOUND = 15.0  # seconds for jobs to end after scancel, and daemons after `scontrol shutdown`
 CLIENT_BOUND = 30.0  # default seconds for one client command (srun, sbatch, ...)
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL")
-REPO = Path(__file__).resolve().parents[2]
 
 
 class SlurmUnavailable(RuntimeError):
@@ -74,9 +74,14 @@ def unavailable():
 
 def _check(nodes, cpus):
     if isinstance(nodes, bool) or not isinstance(nodes, int) or not MIN_NODES <= nodes <= MAX_NODES:
-        raise ValueError(f"nodes (compute nodes, besides the login host) must be an int from 1 to 3; got {nodes!r}")
+        raise ValueError(
+            f"nodes (compute nodes, besides the login host) must be an int from {MIN_NODES} to {MAX_NODES}; "
+            f"got {nodes!r}"
+        )
     if isinstance(cpus, bool) or not isinstance(cpus, int) or not MIN_CPUS <= cpus <= MAX_CPUS:
-        raise ValueError(f"cpus (each node's CPUs, as Slurm counts them) must be an int from 1 to 16; got {cpus!r}")
+        raise ValueError(
+            f"cpus (each node's CPUs, as Slurm counts them) must be an int from {MIN_CPUS} to {MAX_CPUS}; got {cpus!r}"
+        )
 
 
 def slurm_conf(folder, controller, nodes, cpus):
@@ -175,8 +180,7 @@ class Slurm:
         (f / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")  # skips probing /sys/fs/cgroup
 
     def _daemon(self, name, host, argv):
-        log = open(self.folder / "log" / f"{name}.out", "wb")
-        with log:
+        with open(self.folder / "log" / f"{name}.out", "wb") as log:  # the daemon keeps its own copy open
             self._daemons[name] = self.net.popen(host, argv, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
 
     def _start_daemons(self):
@@ -263,7 +267,7 @@ class Slurm:
 
         self._live()
         prefix = self.net.prefix(host or self.login)
-        return run_bounded([*prefix, *map(str, argv)], timeout, cwd=REPO, env=self.env(), input=input)
+        return run_bounded([*prefix, *map(str, argv)], timeout, cwd=ROOT, env=self.env(), input=input)
 
     def sbatch(self, script, *args, options=(), timeout=CLIENT_BOUND):
         """Submit a batch script from the login host, in the repository's root, with `args` after it (what the
@@ -277,14 +281,14 @@ class Slurm:
             path = self.jobs / f"script-{self._submitted}.sbatch"
             path.write_text(script)
         else:
-            path = REPO / script
+            path = ROOT / script
             if not path.is_file():
-                raise ValueError(f"no batch script {script}: give a file's path (from {REPO}) or a script's text")
+                raise ValueError(f"no batch script {script}: give a file's path (from {ROOT}) or a script's text")
         argv = ["sbatch", "--parsable", f"--output={self.jobs}/slurm-%j.out", *map(str, options), path, *args]
         # Not run_bounded: the job inherits this environment, and run_bounded's mark would have its end kill it.
         out = subprocess.run(
             [*self.net.prefix(self.login), *map(str, argv)],
-            cwd=REPO,
+            cwd=ROOT,
             env=self.env(),
             capture_output=True,
             text=True,
