@@ -1,0 +1,148 @@
+"""lessons/recipes/test_ddp_step.py, the pytest file readers copy to test their own DDP step (chapter 11).
+
+It is run as a reader runs it, `python -m pytest -q lessons/recipes/test_ddp_step.py` from the course
+root, and it must pass. A recipe whose tests cannot fail proves nothing, so copies of it with a broken
+step must fail, each in the test that names the mistake: the loss divided by the world size a second
+time (the gradient test), an update only rank 0 applies (the replica test), a rank that hangs (killed at
+the recipe's time bound) and a rank that raises (the run ends at once, not at the group timeout). No run
+may leave a process or a temporary file behind: each runs with TMPDIR in a folder of its own, which
+must be empty afterwards, and processes it started that are still alive when it exits fail the test.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lessonlib.launcher.processes import BOUNDED_VAR, kill_session, marked_environment, marked_processes
+from test_lessons import BOOK_TEST
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "lessons" / "recipes" / "test_ddp_step.py"
+CHAPTER = ROOT / "book" / "11_end_to_end.ipynb"
+TIMEOUT = 240  # seconds for one pytest run of the recipe, a few of them in a row under load
+
+PROCESS_TESTS = ("test_replicas_stay_equal", "test_gradient_matches_one_process")
+ALL_TESTS = (*PROCESS_TESTS, "test_threaded_group_trains_as_one_process", "test_fake_group_builds_rank_7_of_8")
+
+# One edit each: (name, [(text in the recipe, what replaces it)], tests selected, {test: outcome}).
+LOSS = "    loss = F.mse_loss(model(x), y)\n"
+STEP = "    optimizer.step()\n"
+ZERO = "    optimizer.zero_grad(set_to_none=True)\n"
+BROKEN = [
+    (
+        "loss_twice",
+        [(LOSS, LOSS + "    loss = loss / dist.get_world_size() if dist.is_initialized() else loss\n")],
+        ALL_TESTS,
+        {
+            "test_replicas_stay_equal": "PASSED",  # every rank applies the same, wrong, update
+            "test_gradient_matches_one_process": "FAILED",
+            "test_threaded_group_trains_as_one_process": "FAILED",
+            "test_fake_group_builds_rank_7_of_8": "PASSED",
+        },
+    ),
+    (
+        "rank0_step",
+        [(STEP, "    if not dist.is_initialized() or dist.get_rank() == 0:\n        optimizer.step()\n")],
+        ALL_TESTS,
+        {
+            "test_replicas_stay_equal": "FAILED",
+            "test_gradient_matches_one_process": "PASSED",  # the first step's gradients are still right
+            "test_threaded_group_trains_as_one_process": "FAILED",
+            "test_fake_group_builds_rank_7_of_8": "PASSED",
+        },
+    ),
+    (
+        "hang",
+        [
+            (ZERO, ZERO + "    if dist.get_rank() == 1:\n        time.sleep(3600)\n"),
+            ("RUN_TIMEOUT = 120", "RUN_TIMEOUT = 5"),
+        ],
+        PROCESS_TESTS[:1],
+        {"test_replicas_stay_equal": "ERROR"},
+    ),
+    (
+        "crash",
+        [(ZERO, ZERO + "    if dist.get_rank() == 1:\n        raise RuntimeError('rank 1 broke')\n")],
+        PROCESS_TESTS[:1],
+        {"test_replicas_stay_equal": "ERROR"},
+    ),
+]
+
+
+def run_pytest(args, cwd, tmpdir):
+    """`python -m pytest -q -rA ARGS` in cwd with TMPDIR=tmpdir, bounded by TIMEOUT: (exit code, output).
+    Fails if a process it started outlives it or if it leaves anything in tmpdir."""
+    tmpdir.mkdir()
+    env, mark = marked_environment()
+    env["TMPDIR"] = str(tmpdir)
+    argv = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *args]
+    log = tmpdir.parent / f"{tmpdir.name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=TIMEOUT)
+            leftovers = [" ".join(p.cmdline())[:200] for p in marked_processes(BOUNDED_VAR, mark)]
+        finally:
+            kill_session(proc, mark)
+    output = log.read_text()
+    assert proc.returncode is not None and proc.returncode >= 0, f"pytest ran past {TIMEOUT} s:\n{output[-5000:]}"
+    assert not leftovers, f"processes outlived `pytest {' '.join(args)}`: {leftovers}\n{output[-3000:]}"
+    # torch's own compile cache (torchinductor_USER), made by the optimizer's first step, is shared by every
+    # run of torch on the machine and reused: not a file the recipe leaves behind.
+    left = sorted(p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_"))
+    assert not left, f"`pytest {' '.join(args)}` left {left} in its temporary folder"
+    return proc.returncode, output
+
+
+def outcomes(output):
+    """{(file stem, test name): PASSED | FAILED | ERROR | SKIPPED} from pytest's -rA summary."""
+    found = {}
+    for word, stem, test in re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED) (?:\S*/)?(\w+)\.py::(\w+)", output, re.M):
+        found[(stem, test)] = word
+    return found
+
+
+def book_runs_the_recipe():
+    """Whether chapter 11 runs the recipe as a reader does and asserts that it passed."""
+    for cell in json.loads(CHAPTER.read_text())["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and re.search(
+            r'run_python\("-m", "pytest", [^)]*"lessons/recipes/test_ddp_step\.py"[^)]*\)\n[^\n]*\n?assert code == 0\b',
+            source,
+        ):
+            return True
+    return False
+
+
+def test_the_recipe_passes_as_a_reader_runs_it(tmp_path, request):
+    if book_runs_the_recipe() and any(item.name == BOOK_TEST for item in request.session.items):
+        pytest.skip(f"the book build runs it: {CHAPTER.name} runs pytest on the recipe and asserts it passed")
+    code, output = run_pytest([str(RECIPE.relative_to(ROOT))], ROOT, tmp_path / "tmp")
+    assert code == 0, f"the recipe failed on the step it ships with:\n{output[-5000:]}"
+    assert outcomes(output) == {(RECIPE.stem, t): "PASSED" for t in ALL_TESTS}, output[-3000:]
+
+
+def test_the_recipe_fails_a_broken_step(tmp_path):
+    """One pytest run over four broken copies: each fails where it should, and only there."""
+    recipe, args = RECIPE.read_text(), []
+    for name, edits, tests, _ in BROKEN:
+        text = recipe
+        for old, new in edits:
+            assert text.count(old) == 1, f"the recipe no longer has {old!r} exactly once: update BROKEN"
+            text = text.replace(old, new)
+        (tmp_path / f"test_{name}.py").write_text(text)
+        args += [f"test_{name}.py::{test}" for test in tests]
+    code, output = run_pytest(args, tmp_path, tmp_path / "tmp")
+    assert code == 1, f"pytest exited {code}, not 1 (tests failed):\n{output[-5000:]}"
+    want = {(f"test_{name}", test): outcome for name, _, _, expected in BROKEN for test, outcome in expected.items()}
+    assert outcomes(output) == want, output[-6000:]
+    # The messages name the mistake.
+    assert "rank 0's gradient of 0.weight is not one process's" in output, output[-6000:]
+    assert "rank 1's 0.weight differs from rank 0's" in output, output[-6000:]
+    assert "the ranks ran past 5 s and were killed" in output, output[-6000:]
+    crash = output[output.index("a rank failed:") :]  # rank 0 killed at once, not failed by the group timeout
+    assert crash.index("--- rank 0 (exit -9)") < crash.index("RuntimeError: rank 1 broke"), crash[:5000]
