@@ -39,8 +39,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions as Options
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, Subset, TensorDataset
@@ -271,9 +275,9 @@ def train(args, rank, world_size, device):
     )
     if args.init and not ckpt:
         say(f"loaded {args.init}: peak bytes per rank while loading {peaks} (the whole model: {whole})", flush=True)
-    if ckpt:
+    if ckpt and epoch < args.epochs:
         say(f"resumed from {args.checkpoint} at epoch {epoch}, step {start}", flush=True)
-    if epoch >= args.epochs:
+    elif ckpt:
         say(f"{args.checkpoint} has finished all {args.epochs} epochs: nothing to do; --epochs N > {epoch} trains on")
     train_set, test_set = make_data(args)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # fp16 gradients underflow

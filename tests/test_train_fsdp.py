@@ -1,0 +1,194 @@
+"""The FSDP2 template to copy, lessons/train_fsdp.py, run as a reader runs it: real torchrun (--standalone,
+so concurrent tests never share a port) or plain `python`, real gloo, every run bounded and every process it
+started killed after. Specified here, in seven runs shared between the tests:
+
+- it imports torch and the standard library only, never lessonlib; bad options are refused by rank 0 alone,
+  before any process group starts;
+- SIGTERM to a bare torchrun mid-epoch (2 ranks, bfloat16 parameters, dropout on): rank 0 prints one line,
+  "stopped at epoch E, step S; checkpoint saved at ...", no rank a traceback; the same command again resumes
+  and ends with exactly, bit for bit, the weights and AdamW state of a run that was never stopped, and
+  prints the same epoch line; a third run says it has nothing left to do;
+- built on meta and loaded from a one-file state dict with broadcast_from_rank0 at 4 ranks: the peak bytes
+  ranks 1 to 3 allocated while loading (torch's MemTracker on a CPU) are below the whole model's;
+- --export's one file, loaded into the bare nn.Module in this process, gives the test metrics the sharded
+  model printed;
+- resumed at another world size (saved by 1 rank after epoch 0, resumed at 3) and trained with --accum 2,
+  activation checkpointing and torch.compile (aot_eager) at 2 ranks, all with clipping, end within TOL
+  of the 4-rank run: every step sees the same samples whatever the world size; dropout is off, since its
+  masks are drawn per rank and cannot match, and float32 sums in another order round differently.
+"""
+
+import argparse
+import ast
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from lessonlib.launcher.processes import kill_session, marked_environment, run_bounded
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "lessons" / "train_fsdp.py"
+PYTHON, TORCHRUN = sys.executable, str(Path(sys.executable).with_name("torchrun"))
+TIMEOUT = 180
+SMALL = ["--samples", "480", "--width", "32", "--depth", "3"]  # 10 steps of 48 per epoch
+TOL = 1e-4  # float32 AdamW after 20 steps at another world size; measured: 1.2e-6 (see the report)
+EPOCH_LINE = re.compile(r"^epoch (\d+): train loss ([\d.]+) acc ([\d.]+) \| test loss ([\d.]+) acc ([\d.]+)", re.M)
+
+
+def template():
+    spec = importlib.util.spec_from_file_location("train_fsdp", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def argv(nproc):
+    return [PYTHON, SCRIPT] if nproc is None else [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", SCRIPT]
+
+
+def run(args, nproc):
+    """The script at `nproc` ranks under torchrun (None: plain python); its output, which must say success."""
+    with tempfile.TemporaryDirectory() as tmp:  # torchrun's torchelastic_* folder lands here, not in /tmp
+        done = run_bounded([*argv(nproc), *args], TIMEOUT, cwd=ROOT, env={**os.environ, "TMPDIR": tmp})
+    assert not done.timed_out, f"{args} at {nproc} ranks did not end in {TIMEOUT} s:\n{done.output}"
+    assert done.returncode == 0, f"{args} at {nproc} ranks exited {done.returncode}:\n{done.output}"
+    return done.output
+
+
+def state(folder, tmp_path):
+    """A DCP folder as one dict in this process (no process group), through torch's own converter."""
+    out = tmp_path / f"{Path(folder).name}.pt"
+    dcp_to_torch_save(folder, out)
+    return torch.load(out, weights_only=False)
+
+
+def flat(tree):
+    """{dotted key: tensor} of every tensor in a nested dict."""
+    if isinstance(tree, torch.Tensor):
+        return {"": tree}
+    if isinstance(tree, dict):
+        return {f"{k}.{sub}".rstrip("."): t for k, v in tree.items() for sub, t in flat(v).items()}
+    return {}
+
+
+@pytest.mark.unit
+def test_imports_torch_and_the_standard_library_only():
+    allowed = set(sys.stdlib_module_names) | {"torch"}
+    imported = set()
+    for node in ast.walk(ast.parse(SCRIPT.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    assert imported - allowed == set() and "lessonlib" not in SCRIPT.read_text(), sorted(imported - allowed)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch-size", "50"], "--batch-size 50 is the global batch: it must be a multiple of the 4 ranks"),
+        (["--accum", "0"], "need --epochs, --accum, --width and --depth >= 1"),
+        (["--init", "/nonexistent.pt"], "--init /nonexistent.pt: no such file"),
+        (["--amp", "fp8"], None),  # rank 1: argparse's own error, not printed
+    ],
+)
+def test_bad_options_are_refused_by_rank_0_alone_before_anything_starts(args, message):
+    env = {"PATH": "/usr/bin:/bin", "WORLD_SIZE": "4", "RANK": "0" if message else "1"}
+    done = run_bounded([PYTHON, SCRIPT, *args], 60, cwd=ROOT, env=env)
+    assert done.returncode == 2 and "Traceback" not in done.output, done.output
+    assert (message in done.output) if message else done.output == "", done.output
+
+
+def test_sigterm_mid_epoch_to_torchrun_then_the_same_command_resumes_bit_exact(tmp_path):
+    common = [*SMALL, "--samples", "1920", "--epochs", "2", "--amp", "bf16"]  # 40 steps an epoch
+    whole = run([*common, "--checkpoint", tmp_path / "whole"], 2)
+    stopped = [*common, "--checkpoint", tmp_path / "stopped"]
+    env, mark = marked_environment({**os.environ, "TMPDIR": str(tmp_path)})
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [str(a) for a in [*argv(2), *stopped]], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while "epoch 0:" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert proc.poll() is None, f"ended before epoch 0's line:\n{log.read_text()}"
+            proc.send_signal(signal.SIGTERM)  # as Slurm or Kubernetes would, to the launcher: it forwards it
+            proc.wait(timeout=60)
+        finally:
+            kill_session(proc, mark)
+    text = log.read_text()
+    ranks = [line for line in text.splitlines() if not line.startswith(("W", "E", "I", "Traceback", " "))]
+    stops = re.findall(r"^stopped at epoch 1, step (\d+); checkpoint saved at (.+)$", text, re.M)
+    assert len(stops) == 1 and 0 < int(stops[0][0]) < 40, text
+    assert not any("[rank" in line for line in ranks), f"a rank printed a traceback:\n{text}"
+    assert sorted(EPOCH_LINE.findall(text)) == sorted(EPOCH_LINE.findall(whole)[:1]), (text, whole)
+    resumed = run(stopped, 2)
+    assert f"resumed from {tmp_path / 'stopped'} at epoch 1, step {stops[0][0]}" in resumed, resumed
+    assert EPOCH_LINE.findall(resumed) == EPOCH_LINE.findall(whole)[1:], (resumed, whole)  # the same train sums
+    a, b = flat(state(tmp_path / "whole", tmp_path)), flat(state(tmp_path / "stopped", tmp_path))
+    assert a.keys() == b.keys() and len(a) > 20, sorted(a)
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"resumed run differs from the uninterrupted one in {different}"
+    again = run(stopped, 2)
+    assert "has finished all 2 epochs: nothing to do; --epochs N > 2 trains on" in again, again
+    assert not EPOCH_LINE.findall(again) and "resumed" not in again, again
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.old")), list(tmp_path.iterdir())
+
+
+def test_meta_build_broadcast_load_export_and_other_world_sizes_agree(tmp_path):
+    train_fsdp = template()
+    args = argparse.Namespace(width=32, depth=3, dropout=0.0)
+    torch.manual_seed(1)
+    bare = train_fsdp.make_model(args)
+    init = tmp_path / "init.pt"
+    torch.save(bare.state_dict(), init)
+    common = [*SMALL, "--dropout", "0", "--epochs", "2", "--init", init, "--clip-grad-norm", "0.05"]
+
+    at4 = run([*common, "--checkpoint", tmp_path / "at4", "--export", tmp_path / "at4.pt"], 4)
+    peaks = re.search(r"peak bytes per rank while loading \[(.+)\] \(the whole model: (\d+)\)", at4)
+    peak, whole = [int(p) for p in peaks[1].split(", ")], int(peaks[2])
+    print(f"peak bytes while loading, per rank: {peak}; the whole model: {whole}")
+    assert all(0 < p < whole for p in peak[1:]), f"ranks 1-3 held the whole model while loading: {peak} vs {whole}"
+
+    # The exported file in the bare module, in this process: the test metrics the sharded model printed.
+    exported = torch.load(tmp_path / "at4.pt", weights_only=True)
+    bare.load_state_dict(exported)
+    assert not torch.equal(exported["head.weight"], torch.load(init)["head.weight"]), "it did not train"
+    _, test_set = train_fsdp.make_data(argparse.Namespace(seed=0, samples=480))
+    with torch.no_grad():
+        out = bare.eval()(test_set.tensors[0])
+    loss = torch.nn.functional.cross_entropy(out, test_set.tensors[1]).item()
+    acc = (out.argmax(1) == test_set.tensors[1]).float().mean().item()
+    printed = EPOCH_LINE.findall(at4)[-1]
+    assert (f"{loss:.4f}", f"{acc:.4f}") == printed[3:], (loss, acc, printed)
+
+    # Saved by one process after epoch 0, resumed at 3 ranks; and 2 ranks with accumulation, checkpointed
+    # activations and per-block torch.compile: all within TOL of the 4-rank run.
+    run([*common, "--epochs", "1", "--checkpoint", tmp_path / "at1"], None)
+    at3 = run([*common, "--checkpoint", tmp_path / "at1"], 3)
+    assert "resumed from" in at3 and "at epoch 1, step 0" in at3 and [e[0] for e in EPOCH_LINE.findall(at3)] == ["1"]
+    extras = ["--accum", "2", "--checkpoint-activations", "--compile", "aot_eager"]
+    run([*common, *extras, "--checkpoint", tmp_path / "at2"], 2)
+    ref = flat(state(tmp_path / "at4", tmp_path))
+    for name in ("at1", "at2"):
+        got = flat(state(tmp_path / name, tmp_path))
+        assert got.keys() == ref.keys(), (name, sorted(set(got) ^ set(ref)))
+        gap = max((got[k].double() - ref[k].double()).abs().max().item() for k in ref)
+        print(f"{name}: largest gap to the 4-rank run {gap:.1e}")  # shown with pytest -s
+        assert gap < TOL, f"{name}: {gap} from the 4-rank run"
+        assert got["progress.totals"].tolist() == [0, 0, 0] and torch.equal(
+            got["optim.state.head.weight.step"], ref["optim.state.head.weight.step"]
+        )
