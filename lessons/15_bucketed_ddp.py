@@ -65,11 +65,12 @@ def assign_buckets(params, cap):
     return buckets
 
 
-class BucketedDDP(NaiveDDP):  # NaiveDDP's __init__ broadcasts rank 0's parameters and buffers
+class BucketedDDP(NaiveDDP):  # NaiveDDP's __init__ broadcasts rank 0's parameters and buffers, and no_sync()
     def __init__(self, module, bucket_size_mb):
         super().__init__(module)
         self.buckets = assign_buckets(module.parameters(), bucket_size_mb * MIB)
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.names = {id(p): k for k, p in module.named_parameters()}
         for bucket in self.buckets:
             for p in bucket:
                 p.register_post_accumulate_grad_hook(self._ready)
@@ -77,9 +78,15 @@ class BucketedDDP(NaiveDDP):  # NaiveDDP's __init__ broadcasts rank 0's paramete
 
     def on_train_batch_start(self):
         self.waiting = [len(bucket) for bucket in self.buckets]  # gradients each bucket still waits for
+        self.counted = set()  # the parameters counted down this step: each once, so no count goes below zero
         self.handles = []  # (bucket index, flat gradients, work) for every bucket started this step
 
     def _ready(self, p):
+        if not self.require_sync:
+            return  # inside no_sync(): the gradient only adds up on this rank
+        if id(p) in self.counted:  # a second backward(): its count would go below zero
+            overlap.refuse_second_backward(self, self.names[id(p)])
+        self.counted.add(id(p))
         i = self.bucket_of[id(p)]
         self.waiting[i] -= 1
         if self.waiting[i] == 0:  # the bucket's last gradient: flatten the bucket and send it
@@ -88,16 +95,23 @@ class BucketedDDP(NaiveDDP):  # NaiveDDP's __init__ broadcasts rank 0's paramete
 
     def finish_gradient_synchronization(self):
         if len(self.handles) != len(self.buckets):  # an error, not a wait for a gradient that will never come
+            missing = [
+                self.names[id(p)] for p in self.module.parameters() if p.requires_grad and id(p) not in self.counted
+            ]
+            for *_, work in self.handles:  # nothing left in flight
+                work.wait()
+            self.on_train_batch_start()
             raise RuntimeError(
-                f"{len(self.buckets) - len(self.handles)} of {len(self.buckets)} buckets never started: a parameter"
-                " got no gradient in this backward, or on_train_batch_start() was not called before it"
+                f"rank {dist.get_rank()}: {len(self.buckets) - len(self.handles)} of {len(self.buckets)} buckets never"
+                f" started: {', '.join(missing)} got no gradient in this backward(): every rank must use every"
+                " trainable parameter; freeze the unused ones (requires_grad_(False))"
             )
         for i, flat, work in self.handles:
             work.wait()  # bounded by the process group's timeout
             flat /= dist.get_world_size()
             for p, part in zip(self.buckets[i], flat.split([p.numel() for p in self.buckets[i]])):
                 p.grad.copy_(part.view_as(p.grad))
-        self.handles = []  # spent: a step that skips on_train_batch_start() fails above instead of reusing them
+        self.on_train_batch_start()  # ready for the next step, whether it calls this or not
 
 
 # [end: bucketed]

@@ -32,6 +32,8 @@ from lessonlib.sharding import held
 
 SHAPES = [(10, 7), (31,), (900,)]  # P = 1001: no world size from 2 to 4 divides it
 P = sum(math.prod(s) for s in SHAPES)
+# torch 2.14's name; torch 2.11 (a GPU machine's, maybe) has only the old one, deprecated since
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 TOL = 1e-6  # float32: the same sum in another order (the reference measured 0 to 2.4e-7 at 1 to 4 ranks)
 
 
@@ -115,8 +117,8 @@ def flat_shard(tensors, world_size, rank):
 
 def reduce_gradient(full_grad, world_size):
     grad = full_grad.float()  # the shard's dtype, for the sum too: a bfloat16 sum is rounded at every step
-    mine = torch.empty(grad.numel() // world_size)
-    dist.reduce_scatter_single(mine, grad)  # my piece of the sum (gloo: an all-reduce, then my piece)
+    mine = grad.new_empty(grad.numel() // world_size)  # on the gradient's device: NCCL takes no CPU tensor
+    reduce_scatter_single(mine, grad)  # my piece of the sum (gloo: an all-reduce, then my piece)
     return mine / world_size
 
 
@@ -149,8 +151,8 @@ def reducer(cast=True, mean=True, scatter=True, reduce=True, cast_first=True):
         elif not reduce:
             mine = grad[rank * size : (rank + 1) * size].clone()  # this rank's own gradient
         else:
-            mine = torch.empty(size, dtype=grad.dtype)
-            dist.reduce_scatter_single(mine, grad)
+            mine = grad.new_empty(size)
+            reduce_scatter_single(mine, grad)
         mine = mine.float() if cast and not cast_first else mine
         return mine / world_size if mean and reduce else mine
 

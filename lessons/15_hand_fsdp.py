@@ -39,6 +39,7 @@ TinyLM, batch = optimizer_lesson.TinyLM, optimizer_lesson.batch
 # this rank's piece of the mean over ranks of a whole flat gradient, in float32 whatever the compute dtype.
 exercise = lessonlib.load_lesson("15_exercise_fsdp")
 flat_shard, reduce_gradient = exercise.flat_shard, exercise.reduce_gradient
+all_gather_single = optimizer_lesson.all_gather_single  # torch 2.11 has only all_gather_into_tensor
 LR = 0.1  # SGD's
 F32_TOL = 1e-6  # float32, sums in another order; weights up to 3 (measured: 0 to 2.4e-7 at 1 to 4 ranks)
 BF16_TOL, F16_TOL = 1e-2, 2e-3  # vs HandFSDP in float32 after 3 steps (measured at 1 to 4 ranks: 3.2e-3, 5.4e-4)
@@ -52,14 +53,14 @@ class Gathered:
 
     def __init__(self, shard, dtype, user):
         self.shard, self.user, self.work = shard, user, None
-        self.full = torch.empty(shard.numel() * dist.get_world_size(), dtype=dtype)
+        self.full = shard.new_empty(shard.numel() * dist.get_world_size(), dtype=dtype)  # on the shard's device
         # Written through an alias: an in-place write to `full` would make the saved views look modified.
-        self.alias = torch.empty(0, dtype=dtype).set_(self.full.untyped_storage(), 0, self.full.shape)
+        self.alias = self.full.new_empty(0).set_(self.full.untyped_storage(), 0, self.full.shape)
 
     def gather(self):
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         mine = self.shard.detach().to(self.full.dtype)  # the compute dtype: what the all-gather carries
-        self.work = dist.all_gather_single(self.alias, mine, async_op=True)
+        self.work = all_gather_single(self.alias, mine, async_op=True)
 
     def wait(self):
         if self.work is not None:
@@ -122,8 +123,7 @@ class HandFSDP(torch.nn.Module):
             for k, _ in mine:
                 delattr(m, k)  # set again, to views of the gathered flat, by each forward
             m.register_forward_pre_hook(self._forward_pre)
-            m.register_forward_hook(self._forward_post)
-            m.register_full_backward_pre_hook(self._backward_pre)
+            m.register_forward_hook(self._forward_post)  # also hooks the output for the backward
         self.names, self.sharded = list(first.values()), {first[p]: where for p, where in owner.items()}
         self.shards = list(dict.fromkeys(shard for shard, _, _ in owner.values()))
         self.replicated = {k: p for k, p in module.named_parameters() if all(p is not s for s in self.shards)}
@@ -164,6 +164,11 @@ class HandFSDP(torch.nn.Module):
         for b in self.live[m]:
             b.free()
         self.events.append(("forward", "free", self.paths[m]))
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"HandFSDP shards modules that return one tensor; {self.paths[m]} returned {type(out)}")
+        if out.requires_grad:  # runs when out's gradient is ready, before m's backward. A tensor hook, not a
+            # full backward pre-hook: that one wraps out in a view, which an in-place ReLU after m cannot modify
+            out.register_hook(lambda grad: self._backward_pre(m, grad))
         return out.float() if self.dtype else out  # the modules in between (LayerNorm) compute in float32
 
     def _backward_pre(self, m, grad_output):
@@ -175,6 +180,7 @@ class HandFSDP(torch.nn.Module):
         if self.prefetch and i > 0:  # the module before this one in forward runs next in backward
             self.ahead[self.order[i - 1]] = self._gather(self.order[i - 1], "backward", self.live[self.order[i - 1]])
         self.events.append(("backward", "compute", self.paths[m]))
+        return grad_output
 
     # [end: hooks]
 
@@ -191,9 +197,9 @@ class HandFSDP(torch.nn.Module):
 
     def gather_full_params(self):
         """Every parameter by its name in the model, whole, in float32 (a collective: call it on every rank)."""
-        whole = {s: torch.empty(s.numel() * dist.get_world_size()) for s in self.shards}
+        whole = {s: s.new_empty(s.numel() * dist.get_world_size()) for s in self.shards}
         for s, full in whole.items():
-            dist.all_gather_single(full, s.detach())
+            all_gather_single(full, s.detach())
         out = {k: whole[s][i : i + shape.numel()].view(shape).clone() for k, (s, i, shape) in self.sharded.items()}
         out.update({k: p.detach().float().clone() for k, p in self.replicated.items()})
         return {k: out[k] for k in self.names}

@@ -21,6 +21,7 @@ TiedNet, reference() and train() are shared with the other chapter 15 lessons (l
 """
 
 import argparse
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -127,18 +128,36 @@ def average_walking(model, world_size):
 
 # [start: naive]
 class NaiveDDP(torch.nn.Module):
-    """Rank 0's weights and buffers everywhere at the start; the mean gradient after every backward()."""
+    """Rank 0's weights and buffers everywhere at the start; the mean gradient after every backward().
+    Several backward()s before one finish_gradient_synchronization() add up first, as chapter 6's
+    accumulation wants: the mean of the sum is sent once."""
 
     def __init__(self, module):
         super().__init__()
         self.module = module  # a submodule: parameters(), state_dict() and train() reach the model's
+        self.require_sync = True  # False inside no_sync(): the hooks of the subclasses send nothing
         for t in [*module.parameters(), *module.buffers()]:  # frozen ones too: they shape the output as well
             dist.broadcast(t.detach(), src=0)  # in place; detach(): no autograd on a parameter
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward()s in here only add to this rank's .grad; the next one outside sends the sum (DDP's name)."""
+        before, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = before
+
     def finish_gradient_synchronization(self):
+        missing = [k for k, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
+        if missing:  # checked before any collective: a rank that skipped a parameter would pair the others wrong
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: {', '.join(missing)} got no gradient in this backward(): every rank must"
+                " use every trainable parameter; freeze the unused ones (requires_grad_(False))"
+            )
         n = dist.get_world_size()
         for p in self.module.parameters():  # each tensor once: a tied weight is one parameter
             if p.requires_grad:  # a frozen parameter has no gradient to average

@@ -42,17 +42,23 @@ WARMUP = 1
 
 
 # [start: overlapped]
-class OverlappedDDP(NaiveDDP):  # NaiveDDP's __init__ broadcasts rank 0's parameters and buffers
-    """Each gradient's all-reduce starts in backward(), as soon as autograd has finished that gradient."""
+class OverlappedDDP(NaiveDDP):  # NaiveDDP's __init__ broadcasts rank 0's parameters and buffers, and no_sync()
+    """Each gradient's all-reduce starts in backward(), as soon as autograd has finished that gradient.
+    To accumulate, run all backward()s but the last inside no_sync(); a second one outside it is refused."""
 
     def __init__(self, module):
         super().__init__(module)
         self.handles = []  # (parameter, work) for every all-reduce started this step
+        self.names = {id(p): k for k, p in module.named_parameters()}
         for p in module.parameters():  # each tensor once: a tied weight gets one hook
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._launch)
 
     def _launch(self, p):  # autograd calls this once p.grad holds its sum over every use of p
+        if not self.require_sync:
+            return  # inside no_sync(): the gradient only adds up on this rank
+        if any(q is p for q, _ in self.handles):  # its all-reduce may still be writing the .grad autograd just added to
+            refuse_second_backward(self, self.names[id(p)])
         self.handles.append((p, dist.all_reduce(p.grad, async_op=True)))
 
     def finish_gradient_synchronization(self):
@@ -61,6 +67,18 @@ class OverlappedDDP(NaiveDDP):  # NaiveDDP's __init__ broadcasts rank 0's parame
             work.wait()  # bounded by the process group's timeout
             p.grad /= n
         self.handles.clear()
+
+
+def refuse_second_backward(ddp, name):
+    """Raised in backward(), once nothing is left in flight: a second gradient would be sent and divided again."""
+    for *_, work in ddp.handles:
+        work.wait()
+    getattr(ddp, "on_train_batch_start", ddp.handles.clear)()  # BucketedDDP's counts start again too
+    raise RuntimeError(
+        f"rank {dist.get_rank()}: {name} got a second gradient before finish_gradient_synchronization(): to"
+        " accumulate over K micro-batches, run the first K-1 backward()s inside `with ddp.no_sync():` (chapter 6)."
+        " The gradients are now wrong: zero_grad() and start the step again"
+    )
 
 
 # [end: overlapped]

@@ -24,18 +24,22 @@ rank, after --steps steps on its rows of a global batch:
 """
 
 import argparse
+import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lessonlib
 from lessonlib.sharding import Traffic, held, optimizer_state, per_rank_bytes
 from lessonlib.training import flat_params, max_gap
 
 ROWS, LR, DECAY, VOCAB, DIM = 4, 1e-2, 0.1, 31, 16  # tokens per rank and step; AdamW's; the model's sizes
+# torch 2.14's name; torch 2.11 (a GPU machine's, maybe) has only the old one, deprecated since
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 TOL = 1e-12  # float64: the mean gradient summed in another order (measured: 0 to 2e-16)
 STEP_BYTES = 4  # AdamW's `step`: a float32 scalar per parameter it updates
 
@@ -71,11 +75,24 @@ def batch(step, n, rank=None):
     return ids[mine], targets[mine]
 
 
-def piece(tensors, world_size, rank):
+def piece(tensors, world_size, rank, device=None):
     """Rank `rank`'s slice of `tensors` flattened into one vector, zero-padded to N * ceil(P / N) elements."""
-    flat = torch.cat([t.detach().flatten() for t in tensors] or [torch.zeros(0)])
+    flat = torch.cat([t.detach().flatten() for t in tensors] or [torch.zeros(0, device=device)])
     flat = F.pad(flat, (0, -flat.numel() % world_size))
     return flat.view(world_size, flat.numel() // world_size)[rank]
+
+
+def slice_of_grads(params, mine, rank, out=None):
+    """This rank's slice of the params' flat gradients, copied into `out` (reused when given; zero where a
+    parameter has no gradient, and in the padding): no temporary as large as the parameters."""
+    out = torch.zeros_like(mine) if out is None else out.zero_()
+    start, end, at = rank * mine.numel(), (rank + 1) * mine.numel(), 0
+    for p in params:
+        lo, hi = max(start, at), min(end, at + p.numel())  # the part of p inside this rank's slice
+        if lo < hi and p.grad is not None:
+            out[lo - start : hi - start] = p.grad.reshape(-1)[lo - at : hi - at]
+        at += p.numel()
+    return out
 
 
 # [start: sharded]
@@ -87,6 +104,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     others in its group have one (torch's AdamW would skip it: a flat slice is stepped whole).
     """
 
+    whole_flat_gradient = False  # True: the first version, which made the whole padded flat gradient to slice it
+
     def __init__(self, params, optimizer_cls, **kwargs):
         self.optimizer_cls, self.local, self.slices = optimizer_cls, None, []
         super().__init__(params, defaults=kwargs)  # calls add_param_group for each group
@@ -95,7 +114,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(group)  # checks the group and fills in the defaults
         group, n, rank = self.param_groups[-1], dist.get_world_size(), dist.get_rank()
         params = [p for p in group["params"] if p.requires_grad]
-        mine = piece(params, n, rank).clone().requires_grad_()  # my slice, a tensor of its own
+        device = group["params"][0].device if group["params"] else None  # every tensor made here lives there
+        mine = piece(params, n, rank, device).clone().requires_grad_()  # my slice, a tensor of its own
         options = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         if self.local is None:  # the optimizer whose state is this rank's only
             self.local = self.optimizer_cls([{"params": [mine], **options}])
@@ -109,12 +129,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         n, rank = dist.get_world_size(), dist.get_rank()
         for group, local, (params, mine) in zip(self.param_groups, self.local.param_groups, self.slices):
             local.update({k: v for k, v in group.items() if k not in ("params", "param_names")})  # a scheduler's lr
-            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-            mine.grad = None if all(p.grad is None for p in params) else piece(grads, n, rank).clone()
+            if all(p.grad is None for p in params):
+                mine.grad = None
+            elif self.whole_flat_gradient:  # two whole-size temporaries (cat, then pad) for one slice
+                grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+                mine.grad = piece(grads, n, rank).clone()
+            else:  # copied from each .grad straight into the slice's buffer, the last step's reused
+                mine.grad = slice_of_grads(params, mine, rank, mine.grad)
         self.local.step()  # state (AdamW: two moments and a step) for my slices only
         for params, mine in self.slices:
-            full = torch.empty(n * mine.numel(), dtype=mine.dtype)
-            dist.all_gather_single(full, mine)  # every rank's updated slice
+            full = mine.new_empty(n * mine.numel())  # the one whole-size temporary left: every rank's slice
+            all_gather_single(full, mine.detach())  # every rank's updated slice
             sizes = [p.numel() for p in params]
             for p, part in zip(params, full[: sum(sizes)].split(sizes)):  # the padding at the end stays out
                 p.copy_(part.view_as(p))
@@ -148,17 +173,49 @@ def build(kind):
 # [end: groups]
 
 
+# [start: peak]
+class Peak(TorchDispatchMode):
+    """The most bytes of storage made inside the block and alive at once, on any device: every op's output
+    whose storage is none of its inputs' (a view or an in-place write makes none) counts until it is freed."""
+
+    def __enter__(self):
+        self.live, self.peak, self.tracked = 0, 0, set()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = lambda xs: [t for x in xs for t in (x if isinstance(x, (list, tuple)) else [x]) if torch.is_tensor(t)]  # noqa: E731
+        given = {t.untyped_storage().data_ptr() for t in tensors([*args, *(kwargs or {}).values()])}
+        for t in tensors(out if isinstance(out, (list, tuple)) else [out]):
+            storage = t.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in given | self.tracked:
+                self.tracked.add(storage.data_ptr())
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, storage.data_ptr(), storage.nbytes())  # when it is freed
+        return out
+
+    def _freed(self, pointer, nbytes):
+        self.tracked.discard(pointer)
+        self.live -= nbytes
+
+
+# [end: peak]
+
+
 def train(kind, steps, n, rank=None):
     """`steps` AdamW steps on `rank`'s rows (every rank's rows when rank is None); the model, the optimizer,
-    and the collectives of the last step's optimizer.step()."""
-    model, opt = build(kind)
+    the collectives of the last step's optimizer.step() and the peak bytes it made. kind "fresh": ShardedOptimizer
+    with whole_flat_gradient."""
+    model, opt = build("sharded" if kind == "fresh" else kind)
+    opt.whole_flat_gradient = kind == "fresh"
     for step in range(steps):
         ids, targets = batch(step, n, rank)
         opt.zero_grad()
         F.cross_entropy(model(ids), targets).backward()
-        with Traffic() as traffic:
+        with Traffic() as traffic, Peak() as peak:
             opt.step()
-    return model, opt, traffic
+    return model, opt, traffic, peak.peak
 
 
 def main():
@@ -168,10 +225,10 @@ def main():
     args = parser.parse_args()
     ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)
     n, rank = ctx.world_size, ctx.rank
-    alone, ref, _ = train("alone", args.steps, n)  # one process: every rank's rows
-    runs = {kind: train(kind, args.steps, n, rank) for kind in ("sharded", "zero")}
+    alone, ref, *_ = train("alone", args.steps, n)  # one process: every rank's rows
+    runs = {kind: train(kind, args.steps, n, rank) for kind in ("sharded", "fresh", "zero")}
     # [start: check]
-    (model, opt, traffic), (zmodel, zopt, _) = runs["sharded"], runs["zero"]
+    (model, opt, traffic, peak), (zmodel, zopt, *_) = runs["sharded"], runs["zero"]
     gaps = {"one process": max_gap(flat_params(model), flat_params(alone))}
     gaps["ZeroRedundancyOptimizer"] = max_gap(flat_params(model), flat_params(zmodel))
     for what, gap in gaps.items():
@@ -193,7 +250,17 @@ def main():
     assert dict(traffic.calls) == {"all_gather": len(sizes)}, f"rank {rank}: step() called {dict(traffic.calls)}"
     assert traffic.payload["all_gather"] == payload, f"rank {rank}: all-gathered {traffic.payload}, want {payload}"
     # [end: check]
-    lessonlib.report("state", {"rank": rank, "sharded": mine, "zero": theirs, "zero elements": every[rank][2]})
+    # [start: peak_check]
+    params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    first = runs["fresh"][3]  # the first version's step(), which made the whole flat gradient
+    assert peak < first, f"rank {rank}: step() made {peak} B at its peak, the first version {first} B"
+    # [end: peak_check]
+    print(f"rank {rank}: step() made at most {peak} B at once, the first version {first} B; parameters {params} B")
+    lessonlib.report(
+        "state",
+        {"rank": rank, "sharded": mine, "zero": theirs, "zero elements": every[rank][2]}
+        | {"peak": peak, "first version's peak": first, "parameter bytes": params},
+    )
     if ctx.is_main:
         lessonlib.report("summary", {"world_size": n, "unsharded": unsharded, "groups": sizes, "gaps": gaps})
         gaps = ", ".join(f"{k} {v:.0e}" for k, v in gaps.items())
