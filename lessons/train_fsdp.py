@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 
@@ -211,7 +212,7 @@ def evaluate(model, dataset, device, batch_size):
 
 
 # [start: checkpoint]
-def save(args, model, opt, epoch, step, totals, group):
+def save(args, model, opt, scaler, epoch, step, totals, group):
     """A torch.distributed.checkpoint folder: every rank writes its shards at once. Written next to the
     old one, then renamed over it: a save that dies half-way leaves the previous checkpoint whole."""
     path, tmp = Path(args.checkpoint), Path(args.checkpoint + ".tmp")
@@ -219,7 +220,7 @@ def save(args, model, opt, epoch, step, totals, group):
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier(group)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    state["progress"] = {"epoch": epoch, "step": step, "totals": totals.cpu()}  # step: done in `epoch`
+    state["progress"] = {"epoch": epoch, "step": step, "totals": totals.cpu(), "scaler": scaler.state_dict()}
     dcp.save(state, checkpoint_id=tmp, process_group=group)  # bounded by --save-timeout, not --timeout
     if dist.get_rank() == 0:
         old = Path(args.checkpoint + ".old")
@@ -230,13 +231,16 @@ def save(args, model, opt, epoch, step, totals, group):
     dist.barrier(group)
 
 
-def resume(args, model, opt, group):
+def resume(args, model, opt, scaler, group):
     """(epoch, step, totals) to start from: the saved ones, at this or any other world size."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     state["progress"] = {"epoch": 0, "step": 0, "totals": torch.zeros(3, dtype=torch.float64)}
+    state["progress"]["scaler"] = scaler.state_dict()  # {} without fp16
     dcp.load(state, checkpoint_id=args.checkpoint, process_group=group)  # each rank reads what its shards need
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
+    if scaler.is_enabled():
+        scaler.load_state_dict(state["progress"]["scaler"])
     p = state["progress"]  # the totals are the whole job's so far: rank 0 carries them on
     return p["epoch"], p["step"], p["totals"] * (dist.get_rank() == 0)
 
@@ -259,9 +263,15 @@ def main():
 def train(args, rank, world_size, device):
     model, whole, peak = build(args, device, world_size)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)  # last: it must hold the sharded parameters
+    # fp16 gradients underflow unscaled. The sharded scaler all-reduces "found inf": every rank must skip the
+    # same steps and keep the same scale, since the reduce-scatter sums gradients scaled on every rank.
+    scaler = ShardedGradScaler(device.type, enabled=args.amp == "fp16")
+    warnings.filterwarnings("ignore", "Found a non-scalar tensor with numel=1")  # its found-inf flag, on DTensors
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.save_timeout))  # the saves' bound
     ckpt = args.checkpoint and (Path(args.checkpoint) / ".metadata").exists()
-    epoch, start, totals = resume(args, model, opt, group) if ckpt else (0, 0, torch.zeros(3, dtype=torch.float64))
+    epoch, start, totals = (
+        resume(args, model, opt, scaler, group) if ckpt else (0, 0, torch.zeros(3, dtype=torch.float64))
+    )
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak)
     held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
@@ -280,13 +290,13 @@ def train(args, rank, world_size, device):
     elif ckpt:
         say(f"{args.checkpoint} has finished all {args.epochs} epochs: nothing to do; --epochs N > {epoch} trains on")
     train_set, test_set = make_data(args)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # fp16 gradients underflow
     while epoch < args.epochs:
         t0 = time.perf_counter()
         mine, steps = shard_of_epoch(args, epoch, start, len(train_set), world_size, rank)
         loader = DataLoader(Subset(train_set, mine), batch_size=micro, pin_memory=device.type == "cuda")
         batches = iter(loader)
         totals = totals.to(device)
+        # [start: step]
         for step in range(start, steps):
             torch.manual_seed(args.seed + 7919 * rank + 104_729 * (epoch * steps + step))  # dropout: resumable
             for k in range(args.accum):
@@ -306,10 +316,11 @@ def train(args, rank, world_size, device):
             if flag.item():
                 dist.all_reduce(totals)
                 if args.checkpoint:
-                    save(args, model, opt, epoch, step + 1, totals, group)
+                    save(args, model, opt, scaler, epoch, step + 1, totals, group)
                 where = f"; checkpoint saved at {args.checkpoint}" if args.checkpoint else "; nothing saved"
                 say(f"stopped at epoch {epoch}, step {step + 1}{where}", flush=True)
                 return
+        # [end: step]
         dist.all_reduce(totals)
         ev = evaluate(model, test_set, device, micro)
         say(
@@ -319,7 +330,7 @@ def train(args, rank, world_size, device):
         )
         epoch, start, totals = epoch + 1, 0, torch.zeros(3, dtype=torch.float64)
         if args.checkpoint:
-            save(args, model, opt, epoch, 0, totals, group)
+            save(args, model, opt, scaler, epoch, 0, totals, group)
     if args.export:
         export(args, model)
 
