@@ -14,8 +14,11 @@ layer and BatchNorm, both ways:
   broadcasts rank 0's buffers again before every forward: the same gradients, and on every rank but 0
   other running statistics at the end (asserted);
 - like torch's DDP, each wrapper's parameters() are the model's and its state_dict() has DDP's keys;
-- BucketedDDP fails at once, not after a timeout, when a step skips on_train_batch_start() or a
-  parameter gets no gradient.
+- accumulation over K micro-batches, all but the last backward() inside no_sync() (NaiveDDP also without),
+  with torch.device("meta") as the default device: every class equals one process and torch's DDP with
+  no_sync; a second backward() outside no_sync() before finish_gradient_synchronization() is refused at
+  once, naming the parameter, and the same wrapper then trains right; NaiveDDP and BucketedDDP name a
+  parameter that got no gradient, at once, not after a timeout.
 And, with no process: each class loads from its lesson without running main() and has the interface the
 chapter names; assign_buckets' rule on synthetic tensors.
 """
@@ -62,6 +65,7 @@ def test_assign_buckets_goes_backwards_and_never_passes_the_cap():
 
 
 RANKS = '''
+import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -160,23 +164,70 @@ for batch_stats in (False, True):
         assert (max_gap(after, got[1]) < TOL) == (rank == 0), f"rank {rank}: buffers {max_gap(after, got[1])}"
         print(f"rank {rank}: batch statistics: equal to DDP(broadcast_buffers=False)")
 
-ddp = bucketed.BucketedDDP(LMNet(rank, False), 1e-6)
-train(ddp, n, rank, steps=1)
-try:  # the next step without on_train_batch_start(): every bucket's count is spent
+# Accumulation, chapter 6's way: K micro-batches, all but the last backward() inside no_sync(), then one finish,
+# with torch.device("meta") as the default while the wrapper is built and finishes: what it made without device=
+# would land there and gloo refuse it.
+# accumulate() never calls BucketedDDP's on_train_batch_start(): finish_gradient_synchronization() resets the counts.
+K = 3
+
+
+def accumulate(net, n, rank=None, steps=2, sync=True):
+    """`steps` SGD steps of K micro-batches each (every rank's rows when rank is None): grads and the state."""
+    grads = []
+    for step in range(steps):
+        net.zero_grad()
+        data = [batch(K * step + k, n, rank) for k in range(K)]
+        for k, (tokens, targets) in enumerate(data):
+            with net.no_sync() if sync and k < K - 1 and hasattr(net, "no_sync") else contextlib.nullcontext():
+                F.cross_entropy(net(tokens), targets).backward()
+        if hasattr(net, "finish_gradient_synchronization"):
+            with torch.device("meta"):  # torch's own float64 backward is not meta-default safe: the wrapper's part only
+                net.finish_gradient_synchronization()
+        model = getattr(net, "module", net)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad if p.grad is not None else 0
+    return torch.stack(grads), naive.state(model)
+
+
+want = {"one process": accumulate(LMNet(0, False), n), "torch DDP": accumulate(DDP(LMNet(rank, False)), n, rank)}
+cases = {name: (wrap, True) for name, wrap in WRAPPERS.items()}
+cases["NaiveDDP without no_sync"] = (naive.NaiveDDP, False)  # it sends only in finish: the sum of K is right
+for name, (wrap, sync) in cases.items():
+    model = LMNet(rank, False)
+    with torch.device("meta"):
+        ddp = wrap(model)
+    got = accumulate(ddp, n, rank, sync=sync)
+    for other, expected in want.items():
+        gap = max(max_gap(got[0], expected[0]), max_gap(got[1], expected[1]))
+        assert gap < TOL, f"rank {rank}: {name}, {K} micro-batches: {gap:.1e} from {other}"
+
+# Two backward()s outside no_sync() before one finish: refused at once, the parameter named, nothing left in flight.
+for name, wrap in list(WRAPPERS.items())[1:]:
+    ddp = wrap(LMNet(rank, False))
+    try:
+        accumulate(ddp, n, rank, steps=1, sync=False)
+        raise AssertionError(f"{name}: a second backward() before finish went through")
+    except RuntimeError as e:
+        assert "head.weight got a second gradient" not in str(e), e  # the tie is registered as emb.weight
+        assert "got a second gradient" in str(e) and "no_sync" in str(e), e
+        assert any(f"{k} got a second" in str(e) for k, _ in ddp.module.named_parameters()), e
+    got = accumulate(ddp, n, rank)  # the same wrapper again, from where it was: nothing was left in flight
+    gap = max(max_gap(got[0], want["one process"][0]), max_gap(got[1], want["one process"][1]))
+    assert gap < TOL, f"rank {rank}: {name} after the refusal: {gap:.1e} from one process"
+
+# A trainable parameter the forward does not use: named, at once, before any collective of the step.
+for name, wrap in [("NaiveDDP", naive.NaiveDDP), ("BucketedDDP", WRAPPERS["BucketedDDP, one bucket"])]:
+    ddp = wrap(LMNet(rank, False))
     ddp.zero_grad()
-    F.cross_entropy(ddp(batch(1, n, rank)[0]), batch(1, n, rank)[1]).backward()
-    ddp.finish_gradient_synchronization()
-    raise AssertionError("a step without on_train_batch_start() went through")
-except RuntimeError as e:
-    assert "on_train_batch_start() was not called" in str(e), e
-ddp.on_train_batch_start()
-ddp.zero_grad()
-ddp.module.emb(batch(1, n, rank)[0]).sum().backward()  # norm's weight and bias get no gradient
-try:
-    ddp.finish_gradient_synchronization()
-    raise AssertionError("a step with parameters left out went through")
-except RuntimeError as e:
-    assert "got no gradient" in str(e), e
+    tokens, _ = batch(0, n, rank)
+    ddp.module.frozen(ddp.module.emb(tokens)).sum().backward()  # norm's weight and bias get no gradient
+    try:
+        ddp.finish_gradient_synchronization()
+        raise AssertionError(f"{name}: a step with parameters left out went through")
+    except RuntimeError as e:
+        assert "norm.weight, norm.bias got no gradient" in str(e), e
 print(f"rank {rank}: every check held at world size {n}")
 lessonlib.teardown()
 '''

@@ -14,6 +14,10 @@ Here, on the same model, what the lessons take for granted:
 - HandFSDP with another `shard` predicate (Linear only): the tied weight is then held by a module that is not
   sharded (embed), so it stays replicated and is all-reduced, while head's bias is sharded; with SGD with
   momentum and weight decay the weights equal one process's and the shards' padding stays zero.
+- On another device than the default: both classes built and stepped with torch.device("meta") as the default
+  (a CPU-only machine's stand-in for CUDA parameters under a CPU default), HandFSDP with ReLU(inplace=True)
+  after each sharded block, equal one process's: every tensor they make must live on the parameters' device,
+  or gloo refuses the meta tensor. Run with torchrun on a GPU machine, the ranks use CUDA and NCCL.
 Real ranks and real gloo: this file is also the script each rank runs (run_ranks starts it as __main__).
 """
 
@@ -131,6 +135,46 @@ def hand_fsdp(ctx, lessons):
             assert not shard[shard.numel() - pad :].any(), f"rank {rank}: {k}'s padding moved"
 
 
+def elsewhere(ctx, lessons):
+    """Both classes with meta as the default device, the parameters elsewhere; HandFSDP with in-place ReLUs."""
+    import torch
+    import torch.nn.functional as F
+
+    opt_lesson, fsdp_lesson = lessons["15_sharded_optimizer"], lessons["15_hand_fsdp"]
+    n, rank, device = ctx.world_size, ctx.rank, ctx.device
+
+    def model(seed):
+        m = opt_lesson.TinyLM(seed=seed).to(device)
+        for block in m.blocks:  # in place on a sharded Linear's output: fully_shard allows it, so must HandFSDP
+            block[1] = torch.nn.ReLU(inplace=True)
+        return m
+
+    batches = [[t.to(device) for t in opt_lesson.batch(step, n)] for step in range(STEPS)]  # every rank's rows
+    mine = [[t.to(device) for t in opt_lesson.batch(step, n, rank)] for step in range(STEPS)]
+    runs = {}
+    for kind in ("alone", "sharded", "fsdp"):
+        net = model(0 if kind != "fsdp" else rank)
+        with torch.device("meta"):  # what the classes make without device= lands here, and gloo refuses it
+            if kind == "fsdp":
+                net = fsdp_lesson.HandFSDP(net)
+            options = dict(lr=0.1, momentum=0.9)
+            if kind == "sharded":  # every rank on every row: the gradients are the mean already
+                opt = opt_lesson.ShardedOptimizer(net.parameters(), torch.optim.SGD, **options)
+            else:
+                opt = torch.optim.SGD(net.parameters(), **options)
+            for step in range(STEPS):
+                ids, targets = (mine if kind == "fsdp" else batches)[step]
+                opt.zero_grad()
+                F.cross_entropy(net(ids), targets).backward()
+                if kind == "fsdp":
+                    net.finish_gradient_synchronization()
+                opt.step()
+            runs[kind] = net.gather_full_params() if kind == "fsdp" else dict(net.named_parameters())
+    for kind in ("sharded", "fsdp"):
+        gap = max((runs[kind][k] - p).abs().max().item() for k, p in runs["alone"].items())
+        assert gap < TOL32, f"rank {rank}: {kind} on {device} under a meta default is {gap:.1e} from one process"
+
+
 def rank_main():
 
     import lessonlib
@@ -139,6 +183,7 @@ def rank_main():
     lessons = {stem: lessonlib.load_lesson(stem) for stem in ("15_sharded_optimizer", "15_hand_fsdp")}
     sharded_optimizer(ctx, lessons)
     hand_fsdp(ctx, lessons)
+    elsewhere(ctx, lessons)
     print(f"rank {ctx.rank}: contracts kept")
     lessonlib.teardown()
 
