@@ -250,11 +250,9 @@ def main():
     assert dict(traffic.calls) == {"all_gather": len(sizes)}, f"rank {rank}: step() called {dict(traffic.calls)}"
     assert traffic.payload["all_gather"] == payload, f"rank {rank}: all-gathered {traffic.payload}, want {payload}"
     # [end: check]
-    # [start: peak_check]
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     first = runs["fresh"][3]  # the first version's step(), which made the whole flat gradient
     assert peak < first, f"rank {rank}: step() made {peak} B at its peak, the first version {first} B"
-    # [end: peak_check]
     print(f"rank {rank}: step() made at most {peak} B at once, the first version {first} B; parameters {params} B")
     lessonlib.report(
         "state",
