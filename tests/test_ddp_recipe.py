@@ -79,7 +79,7 @@ def run_pytest(args, cwd, tmpdir):
     tmpdir.mkdir()
     env, mark = marked_environment()
     env["TMPDIR"] = str(tmpdir)
-    argv = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *args]
+    argv = [sys.executable, "-m", "pytest", "-q", "-rA", "--color=no", "-p", "no:cacheprovider", *args]
     log = tmpdir.parent / f"{tmpdir.name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -111,7 +111,7 @@ def book_runs_the_recipe():
     for cell in json.loads(CHAPTER.read_text())["cells"]:
         source = "".join(cell["source"])
         if cell["cell_type"] == "code" and re.search(
-            r'run_python\("-m", "pytest", [^)]*"lessons/recipes/test_ddp_step\.py"[^)]*\)\n[^\n]*\n?assert code == 0\b',
+            r'run_python\(\s*"-m",\s*"pytest",[^)]*"lessons/recipes/test_ddp_step\.py"[^)]*\)\n[^\n]*\n?assert code == 0\b',
             source,
         ):
             return True
