@@ -17,7 +17,7 @@ Here, on the same model, what the lessons take for granted:
 - On another device than the default: both classes built and stepped with torch.device("meta") as the default
   (a CPU-only machine's stand-in for CUDA parameters under a CPU default), HandFSDP with ReLU(inplace=True)
   after each sharded block, equal one process's: every tensor they make must live on the parameters' device,
-  or gloo refuses the meta tensor. Run with torchrun on a GPU machine, the ranks use CUDA and NCCL.
+  or gloo refuses the meta tensor (CPU and gloo here: the check needs no GPU).
 Real ranks and real gloo: this file is also the script each rank runs (run_ranks starts it as __main__).
 """
 
