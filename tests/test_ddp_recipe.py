@@ -1,7 +1,8 @@
 """lessons/recipes/test_ddp_step.py, the pytest file readers copy to test their own DDP step (chapter 11).
 
 It is run as a reader runs it, `python -m pytest -q lessons/recipes/test_ddp_step.py` from the course
-root, and it must pass. A recipe whose tests cannot fail proves nothing, so copies of it with a broken
+root, and it must pass (chapter 11 runs the same command and asserts it passed: when the book build is
+in the same session, that run stands for this one). A recipe whose tests cannot fail proves nothing, so copies of it with a broken
 step must fail, each in the test that names the mistake: the loss divided by the world size a second
 time (the gradient test), an update only rank 0 applies (the replica test), a rank that hangs (killed at
 the recipe's time bound) and a rank that raises (the run ends at once, not at the group timeout). No run
@@ -111,7 +112,8 @@ def book_runs_the_recipe():
     for cell in json.loads(CHAPTER.read_text())["cells"]:
         source = "".join(cell["source"])
         if cell["cell_type"] == "code" and re.search(
-            r'run_python\(\s*"-m",\s*"pytest",[^)]*"lessons/recipes/test_ddp_step\.py"[^)]*\)\n[^\n]*\n?assert code == 0\b',
+            r'run_python\(\s*"-m",\s*"pytest",[^)]*"lessons/recipes/test_ddp_step\.py"[^)]*\)'
+            r"\n[^\n]*\n?assert code == 0\b",
             source,
         ):
             return True

@@ -2,7 +2,9 @@
 
 Test your own DDP training step on a machine without GPUs: copy this file next to your code, put your
 model, optimizer, data and step in the region `your_code` (or import them there), and run pytest on it.
-It needs torch and pytest, nothing else.
+It needs torch and pytest, nothing else, on Linux or macOS. Each rank runs this file as a script
+(`python test_ddp_step.py RANK WORLD_SIZE FOLDER`), so what the region imports must be importable from
+this file's folder or installed (`pip install -e .`), not only from pytest's rootdir.
 
 Two tiers, one question: does the step, run by two ranks under DDP, train as one process would?
 - Real processes (test_replicas_stay_equal, test_gradient_matches_one_process): two Python processes,
