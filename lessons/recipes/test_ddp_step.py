@@ -119,6 +119,11 @@ def rank_main(rank, world_size, folder):
         dist.destroy_process_group()
 
 
+def tail(path, chars=3000):
+    with open(path, errors="replace") as f:
+        return f.read()[-chars:]
+
+
 def run_processes(world_size, timeout=RUN_TIMEOUT):
     """Start world_size processes of this file, wait for all of them, at most `timeout` seconds in all, and
     return their results. A failed rank fails the test at once with its output; no process outlives this."""
@@ -141,12 +146,14 @@ def run_processes(world_size, timeout=RUN_TIMEOUT):
                 time.sleep(0.05)
         finally:
             for p in procs:  # each rank leads its own session: kill it and anything it started
-                if p.poll() is None:
+                try:
                     os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # the rank and everything it started have ended
                 p.wait()
         codes = [p.returncode for p in procs]
         if any(code != 0 for code in codes):
-            told = "\n".join(f"--- rank {r} (exit {c}):\n{open(logs[r]).read()[-3000:]}" for r, c in enumerate(codes))
+            told = "\n".join(f"--- rank {r} (exit {c}):\n{tail(logs[r])}" for r, c in enumerate(codes))
             why = f"the ranks ran past {timeout} s and were killed" if timed_out else "a rank failed"
             pytest.fail(f"{why}:\n{told}", pytrace=False)
         return [torch.load(os.path.join(folder, f"rank{rank}.pt")) for rank in range(world_size)]
