@@ -2,12 +2,13 @@
 
 It is run as a reader runs it, `python -m pytest -q lessons/recipes/test_ddp_step.py` from the course
 root, and it must pass (chapter 11 runs the same command and asserts it passed: when the book build is
-in the same session, that run stands for this one). A recipe whose tests cannot fail proves nothing, so copies of it with a broken
-step must fail, each in the test that names the mistake: the loss divided by the world size a second
-time (the gradient test), an update only rank 0 applies (the replica test), a rank that hangs (killed at
-the recipe's time bound) and a rank that raises (the run ends at once, not at the group timeout). No run
-may leave a process or a temporary file behind: each runs with TMPDIR in a folder of its own, which
-must be empty afterwards, and processes it started that are still alive when it exits fail the test.
+in the same session, that run stands for this one). A recipe whose tests cannot fail proves nothing,
+so copies of it with a broken step must fail, each in the test that names the mistake: the loss
+divided by the world size a second time (the gradient test), an update only rank 0 applies (the
+replica test), a rank that hangs (killed at the recipe's time bound) and a rank that raises (the run
+ends at once, not at the group timeout). No run may leave a process or a temporary file behind: each
+runs with TMPDIR in a folder of its own, which must be empty afterwards, and processes it started that
+are still alive when it exits fail the test.
 """
 
 import json
