@@ -41,7 +41,7 @@ SCRIPT = ROOT / "lessons" / "train_fsdp.py"
 PYTHON, TORCHRUN = sys.executable, str(Path(sys.executable).with_name("torchrun"))
 TIMEOUT = 180
 SMALL = ["--samples", "480", "--width", "32", "--depth", "3"]  # 10 steps of 48 per epoch
-TOL = 1e-4  # float32 AdamW after 20 steps at another world size; measured: 1.2e-6 (see the report)
+TOL = 1e-4  # float32 AdamW, 20 steps, another world size; measured: 2.0e-6 (1 then 3 ranks), 4.7e-6 (2 ranks)
 EPOCH_LINE = re.compile(r"^epoch (\d+): train loss ([\d.]+) acc ([\d.]+) \| test loss ([\d.]+) acc ([\d.]+)", re.M)
 
 
