@@ -3,7 +3,7 @@ so concurrent tests never share a port) or plain `python`, real gloo, every run 
 started killed after. Specified here, in seven runs shared between the tests:
 
 - it imports torch and the standard library only, never lessonlib; bad options are refused by rank 0 alone,
-  before any process group starts;
+  before any process group starts, and --device cuda without a GPU before any group too;
 - SIGTERM to a bare torchrun mid-epoch (2 ranks, bfloat16 parameters, dropout on): rank 0 prints one line,
   "stopped at epoch E, step S; checkpoint saved at ...", no rank a traceback; the same command again resumes
   and ends with exactly, bit for bit, the weights and AdamW state of a run that was never stopped, and
@@ -192,3 +192,11 @@ def test_meta_build_broadcast_load_export_and_other_world_sizes_agree(tmp_path):
         assert got["progress.totals"].tolist() == [0, 0, 0] and torch.equal(
             got["optim.state.head.weight.step"], ref["optim.state.head.weight.step"]
         )
+
+
+def test_device_cuda_without_a_gpu_is_refused_before_any_process_group():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda is valid here")
+    done = run_bounded([PYTHON, SCRIPT, "--device", "cuda"], 60, cwd=ROOT)
+    assert done.returncode == 1 and "--device cuda: no GPU is available here; use --device cpu" in done.output
+    assert "Traceback" not in done.output and "running:" not in done.output, done.output
