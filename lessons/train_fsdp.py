@@ -17,8 +17,9 @@ torch.save file for inference, written at the end), --samples, --width, --depth,
 
 SIGINT or SIGTERM: the ranks finish the step in progress, agree to stop after the same step, save a
 mid-epoch checkpoint (with --checkpoint), rank 0 prints one line "stopped at epoch E, step S", and the
-processes exit with status 0 (run the same command again to resume). Exit status 2: bad options;
-anything else: an error, with its traceback.
+processes exit with status 0 (run the same command again to resume; a torchrun that got the signal
+itself still reports it, with its own traceback, and exits 1). Exit status 2: bad options; 1: no such
+device (--device), or an error, with its traceback.
 """
 
 import argparse
