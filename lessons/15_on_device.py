@@ -63,7 +63,6 @@ def token_rows(index, n, rank, device):
     return ids.to(device), targets.to(device), F.cross_entropy
 
 
-# [start: train]
 def train(model, opt, data, steps, micro, n, rank=None, device="cpu"):
     """`steps` optimizer steps on `rank`'s rows (every rank's when None), each over `micro` micro-batches;
     all but the last backward() inside no_sync() where the model has it. The last step's whole gradients."""
@@ -80,9 +79,6 @@ def train(model, opt, data, steps, micro, n, rank=None, device="cpu"):
         grads = {k: p.grad.clone() for k, p in whole.named_parameters() if p.grad is not None}
         opt.step()
     return grads
-
-
-# [end: train]
 
 
 def build(name, seed, device):
@@ -125,9 +121,8 @@ def check(name, ctx, steps):
         want = train(alone, alone_opt, data, steps, micro, n, device=device)
         model, opt, data = build(name, rank, device)
         got = train(model, opt, data, steps, micro, n, rank, device)
-        if name == "HandFSDP":  # its gradients live in the shards: the weights, gathered whole, say it all
-            mine = {k: p.detach() for k, p in alone.named_parameters()}
-            gaps[way] = hand.gap(model.gather_full_params(), mine)
+        if name == "HandFSDP":  # its gradients are in its shards: the weights are compared, gathered whole
+            gaps[way] = hand.gap(model.gather_full_params(), {k: p.detach() for k, p in alone.named_parameters()})
         else:
             gaps[way] = max(max_gap(naive.state(model), naive.state(alone)), naive.grad_gap(got, want))
         tol = F32_TOL if name == "HandFSDP" else TOL
