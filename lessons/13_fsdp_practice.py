@@ -18,7 +18,10 @@ rank r trains on its rows of a global batch, and one process on every row checks
   meta: the model built on the meta device (shapes, no storage: 0 bytes), sharded, then to_empty(device=
     "cpu") allocates this rank's shards only and reset_parameters() initialises them. No rank ever holds
     the whole model (asserted: the bytes held equal its shards', at most the model's / N plus padding),
-    and a training step runs.
+    and a training step runs. The mistake: one seed on every rank. On a CPU mesh (torch 2.14.1) each
+    rank draws its shards from its own generator, so every rank draws the same numbers and each weight
+    repeats rank 0's shard (asserted at 2 ranks and more). The fix: a seed per rank; then no shard
+    repeats another, and the weights have nn.Linear's spread, uniform in +-1/sqrt(width) (asserted).
 At world size 1 the shards are the whole model and nothing is sent; every assertion still holds.
 """
 
@@ -147,23 +150,41 @@ def part_clip(ctx, n_blocks, width, max_norm):
 
 
 # [start: meta]
-def build_on_meta(n_blocks, width, world_size):
+def build_on_meta(n_blocks, width, world_size, seed):
     with torch.device("meta"):  # shapes and dtypes only: no storage
         net = blocks(n_blocks, width)
     on_meta = all(p.is_meta for p in net.parameters())
     sharded(net, world_size)  # the shards are meta too
     net.to_empty(device="cpu")  # storage for this rank's shards, uninitialised
+    # On a CPU mesh each rank fills its shards from its own generator: the same seed on every rank
+    # would give every rank the same numbers. The caller passes a seed of this rank's own.
+    torch.manual_seed(seed)
     for module in net.modules():
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()  # nn.Linear's own init, on the shards
     return net, on_meta
 
 
+def repeats(net, world_size):
+    """The parameters in which another rank's shard repeats rank 0's numbers."""
+    names = []
+    for name, p in net.named_parameters():
+        shards = p.full_tensor().detach().chunk(world_size)  # fully_shard's split of the first dimension
+        first = shards[0].flatten()
+        if any(0 < s.numel() and torch.equal(s.flatten(), first[: s.numel()]) for s in shards[1:]):
+            names.append(name)
+    return names
+
+
 # [end: meta]
 
 
 def part_meta(ctx, n_blocks, width):
-    net, on_meta = build_on_meta(n_blocks, width, ctx.world_size)
+    n_params = len(list(blocks(n_blocks, width).parameters()))
+    same, _ = build_on_meta(n_blocks, width, ctx.world_size, seed=0)  # the mistake: one seed everywhere
+    copies = repeats(same, ctx.world_size)
+    net, on_meta = build_on_meta(n_blocks, width, ctx.world_size, seed=1000 + ctx.rank)  # the fix
+    fixed = repeats(net, ctx.world_size)
     after = held(net.parameters())
     shapes = [p.shape for p in blocks(n_blocks, width).parameters()]
     model = sum(s.numel() for s in shapes) * 4
@@ -171,20 +192,29 @@ def part_meta(ctx, n_blocks, width):
     shards = sum(shard(s[0], ctx.world_size) * (s.numel() // s[0]) for s in shapes) * 4
     print(f"rank {ctx.rank}: built on meta: {on_meta}; after to_empty it holds {after} bytes (the model: {model})")
     assert on_meta and after == shards and (after < model or ctx.world_size == 1), (after, shards, model)
-    weights = whole(net)
-    assert 0 < weights.std().item() < 1 and torch.isfinite(weights).all(), "reset_parameters did not initialise"
+    if ctx.world_size > 1:  # torch 2.14.1, CPU mesh: every shard of every parameter is rank 0's numbers again
+        assert len(copies) == n_params, f"rank {ctx.rank}: one seed, yet only {copies} repeat rank 0's shards"
+    assert fixed == [], f"rank {ctx.rank}: a seed per rank, yet {fixed} repeat rank 0's shards"
+    # nn.Linear(width, width) draws weights and biases uniformly in +-1/sqrt(width): std 1/sqrt(3 width)
+    weights, bound = whole(net), width**-0.5
+    spread = weights.std().item() / (bound / 3**0.5)
+    assert weights.abs().max() <= bound and abs(spread - 1) < 0.05, f"std {spread:.3f} x nn.Linear's"
+    if ctx.is_main:
+        print(f"one seed on every rank: {len(copies)} of {n_params} parameters repeat rank 0's shard")
+        print(f"a seed per rank: {len(fixed)} of {n_params}; weights' std {spread:.3f} x nn.Linear's")
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     x, y = batch(0, width, ctx.world_size)
     loss = F.mse_loss(net(mine(x, ctx.rank)), mine(y, ctx.rank))
     loss.backward()
     opt.step()
     assert torch.isfinite(loss), loss
-    lessonlib.report("meta", {"on_meta": on_meta, "after": after, "model": model, "shards": shards})
+    report = {"on_meta": on_meta, "after": after, "model": model, "shards": shards, "params": n_params}
+    lessonlib.report("meta", {**report, "copies": len(copies), "fixed": len(fixed), "spread": spread})
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--parts", type=lessonlib.comma_list(PARTS), default=list(PARTS))
+    parser.add_argument("--parts", type=lessonlib.comma_list(choices=PARTS), default=list(PARTS))
     parser.add_argument("--blocks", type=int, default=4, choices=range(1, 33), metavar="1..32")
     parser.add_argument("--width", type=int, default=64, choices=range(2, 1025), metavar="2..1024")
     parser.add_argument("--micro", type=int, default=3, choices=range(2, 17), metavar="2..16")
