@@ -3,12 +3,13 @@
 #   make lab    set up, then open JupyterLab on book/ with the course's kernel, to run chapters cell by cell
 #   make test   set up, then run the whole test suite (launcher, lessons, the book build, the browser test)
 #   make unit   set up, then run only the unit tier: the tests that start no process, in seconds
+#   make gpu-check  the templates, chapter 15's classes and chapter 8's AMP on this machine's GPUs (no setup)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup book lab test unit bench format clean
+.PHONY: setup book lab test unit bench gpu-check format clean
 # The kernel every chapter names in its metadata (kernelspec.name), so Jupyter and VS Code pick .venv's
 # Python. Registered inside .venv (--sys-prefix): nothing is written outside the checkout (ipykernel
 # leaves an empty tmp*_kernels folder in TMPDIR, so it gets a TMPDIR of its own, removed after).
@@ -62,6 +63,13 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/build_ddp.py
 	$(BIN)/python benchmarks/build_sharding.py
 	$(BIN)/python benchmarks/hosts_bandwidth.py || test $$? -eq 77
+
+# What the course's takeaways do on real GPUs (lessonlib/gpucheck.py): skipped, with the reason, without one.
+# No setup: a lent GPU machine has its own torch (maybe older than the pin) and none of requirements.txt,
+# so it runs with .venv's Python when there is one, else python3. GPU_CHECK_ARGS: e.g. --save FILE, --only NAME.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m lessonlib.gpucheck $(GPU_CHECK_ARGS)
 
 # Format and lint-fix everything ruff covers (pyproject.toml [tool.ruff]); tests/test_style.py checks it.
 format: $(STAMP)
