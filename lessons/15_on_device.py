@@ -89,11 +89,11 @@ def build(name, seed, device):
         return model, torch.optim.SGD(model.parameters(), lr=hand.LR), token_rows
     if name == "ShardedOptimizer":
         model = sharded.TinyLM(seed=seed or 0).double().to(device)
-        model = model if seed is None else naive.NaiveDDP(model)  # averages the gradients, as the optimizer expects
-        kind = (
-            torch.optim.AdamW if seed is None else lambda p, **kw: sharded.ShardedOptimizer(p, torch.optim.AdamW, **kw)
-        )
-        return model, kind(model.parameters(), lr=sharded.LR, weight_decay=sharded.DECAY), token_rows
+        options = {"lr": sharded.LR, "weight_decay": sharded.DECAY}
+        if seed is None:
+            return model, torch.optim.AdamW(model.parameters(), **options), token_rows
+        model = naive.NaiveDDP(model)  # averages the gradients, as ShardedOptimizer expects
+        return model, sharded.ShardedOptimizer(model.parameters(), torch.optim.AdamW, **options), token_rows
     model = naive.TiedNet(seed=seed or 0).to(device)
     if seed is not None:
         few = naive.trainable_bytes(model) / 4 / bucketed.MIB  # a cap that makes a few buckets
