@@ -93,7 +93,7 @@ def test_the_cpu_rehearsal_stops_resumes_and_compares_a_template_and_runs_a_chap
             "make",
             "-s",
             "gpu-check",
-            "GPU_CHECK_ARGS=--cpu-rehearsal --only train_ddp-resume,15_naive_ddp --timeout 120",
+            "GPU_CHECK_ARGS=--cpu-rehearsal --only train_ddp-resume,15_on_device --timeout 120",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -102,7 +102,7 @@ def test_the_cpu_rehearsal_stops_resumes_and_compares_a_template_and_runs_a_chap
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
-    assert "PASS train_ddp-resume" in out and "PASS 15_naive_ddp" in out, out
+    assert "PASS train_ddp-resume" in out and "PASS 15_on_device" in out, out
     assert "2 passed, 0 failed, 0 skipped" in out, out
 
 
@@ -115,7 +115,7 @@ def test_the_capture_is_shown_labelled_and_its_absence_is_said(tmp_path, capsys)
     output = f"running: backend nccl\nepoch 0: loss 1\nepoch 1: loss 0.5\n{stop}\n"
     case = {"name": "train_ddp-1", "what": "one rank", "status": "PASS", "reason": "", "seconds": 3.0, "output": output}
     path = tmp_path / "gpu_check.json"
-    path.write_text(json.dumps({"about": about, "cases": [case, {**case, "name": "15_naive_ddp"}]}))
+    path.write_text(json.dumps({"about": about, "cases": [case, {**case, "name": "15_on_device"}]}))
     assert gpucapture.label(about) == "1 x NVIDIA H200, torch 2.11.0, CUDA 13.0, NCCL 2.28.9, captured 2026-11-28"
     (row,) = gpucapture.rows("train_ddp", gpucapture.load(path))
     assert row["lines"] == f"running: backend nccl / epoch 0: loss 1 / epoch 1: loss 0.5 / {stop}"
