@@ -120,6 +120,7 @@ def test_the_capture_is_shown_labelled_and_its_absence_is_said(tmp_path, capsys)
     (row,) = gpucapture.rows("train_ddp", gpucapture.load(path))
     assert row["lines"] == f"running: backend nccl / epoch 0: loss 1 / epoch 1: loss 0.5 / {stop}"
     assert row["result"] == "PASS" and row["case"] == "train_ddp-1"
+    assert gpucapture.shown_lines("one\ntwo\n\nthree\nfour\n") == ["two", "three", "four"]  # a lesson's last lines
     assert gpucapture.show("train_ddp", path=path) is not None
     assert "make gpu-check on 1 x NVIDIA H200" in capsys.readouterr().out
 

@@ -3,7 +3,8 @@
 `python -m lessonlib.gpucheck` (lessonlib/gpucheck.py) runs the templates, chapter 15's classes and chapter
 8's AMP lessons on real GPUs and writes every case to CAPTURE. A chapter calls `show("train_ddp")` to show
 the cases whose names start with that prefix, labelled with the GPU, torch, CUDA and NCCL versions they ran
-on, and the lines that say what ran (`running:`, the last `epoch` line, `stopped at ...`). Where no GPU run
+on, and the lines that say what ran (`running:`, the last `epoch` lines, `stopped at ...`; a lesson's last
+lines). Where no GPU run
 was captured, it says so in one line instead: the page never implies a GPU result it does not have.
 """
 
@@ -37,6 +38,11 @@ def key_lines(output, last=3):
     return running + [line for line in found if not line.startswith("running:")][-last:]
 
 
+def shown_lines(output):
+    """A template's key lines; for a lesson, which prints no `epoch` lines, its last lines."""
+    return key_lines(output) or [line.strip() for line in output.splitlines() if line.strip()][-3:]
+
+
 def rows(prefix, capture):
     return [
         {
@@ -44,7 +50,7 @@ def rows(prefix, capture):
             "what": c["what"],
             "result": c["status"] + (f": {c['reason']}" if c["reason"] else ""),
             "seconds": c["seconds"],
-            "lines": " / ".join(key_lines(c["output"])),
+            "lines": " / ".join(shown_lines(c["output"])),
         }
         for c in capture["cases"]
         if c["name"].startswith(prefix)
