@@ -304,7 +304,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args():
-    p = Parser(description=__doc__.splitlines()[2])
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if there are GPUs")
     p.add_argument("--amp", choices=list(AMP), default="off", help="autocast dtype (bf16 on A100/H100-class GPUs)")
     p.add_argument("--epochs", type=int, default=3)

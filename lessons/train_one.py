@@ -234,7 +234,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args():
-    p = Parser(description=__doc__.splitlines()[2])
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if there are GPUs")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=48)

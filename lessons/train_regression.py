@@ -41,7 +41,7 @@ def make_data(args):
     g = torch.Generator().manual_seed(args.seed)
     x = torch.randn(args.samples + 512, args.features, generator=g)
     w = torch.randn(args.features, 1, generator=g) / args.features**0.5
-    y = torch.sin(2 * x @ w) + 0.1 * torch.randn(len(x), 1, generator=g)
+    y = torch.sin(x @ w) + 0.1 * torch.randn(len(x), 1, generator=g)
     n = args.samples
     return TensorDataset(x[:n], y[:n]), TensorDataset(x[n:], y[n:])
 
@@ -278,7 +278,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args():
-    p = Parser(description=__doc__.splitlines()[2])
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if there are GPUs")
     p.add_argument("--amp", choices=list(AMP), default="off", help="autocast dtype (bf16 on A100/H100-class GPUs)")
     p.add_argument("--epochs", type=int, default=3)
