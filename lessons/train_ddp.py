@@ -15,6 +15,8 @@ SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) stops the run after the st
 same step on every rank, saving that point when --checkpoint is given; the same command resumes from
 it as if it had never stopped. Exit status: 0 finished (or nothing left to do), 2 bad options, 128 +
 the signal's number (130 for SIGINT, 143 for SIGTERM) when stopped by a signal, 1 for any other error.
+torchrun forwards a signal it gets to every rank; it then prints its own warnings and a SignalException
+traceback and exits 1 whatever the ranks did (torch 2.14.1): the script's own output is one line.
 """
 
 import argparse
