@@ -8,18 +8,20 @@ checkpointing (--checkpoint-activations), torch.compile (--compile), fully_shard
 to_empty allocates this rank's shards only, which are filled from --init FILE (a one-file state dict that
 rank 0 alone reads and broadcasts piece by piece) or initialised fresh; the optimizer comes last.
 
-Options: --epochs 3, --batch-size 48 (global), --lr 3e-3 (AdamW), --seed 0, --device auto|cpu|cuda,
---amp off|bf16|fp16 (MixedPrecisionPolicy: weights and compute in that dtype, gradients reduced in
-float32), --accum K (micro-batches per step), --clip-grad-norm X, --timeout S (collectives),
---checkpoint DIR (a torch.distributed.checkpoint folder, saved after every epoch, resumed from at any
-world size), --save-timeout S (the save's own bound), --init FILE, --export FILE (the whole model in one
-torch.save file for inference, written at the end), --samples, --width, --depth, --dropout.
+Options: --epochs 3, --batch-size 48 (global), --lr 3e-3 (AdamW), --lr-schedule constant|cosine (cosine:
+from --lr down to 0 over all --epochs), --seed 0, --device auto|cpu|cuda, --amp off|bf16|fp16
+(MixedPrecisionPolicy: weights and compute in that dtype, gradients reduced in float32), --accum K
+(micro-batches per step), --clip-grad-norm X, --timeout S (collectives), --checkpoint DIR (a
+torch.distributed.checkpoint folder, saved after every epoch, resumed from at any world size),
+--save-timeout S (the save's own bound), --init FILE, --export FILE (the whole model in one torch.save
+file for inference, written at the end), --samples, --width, --depth, --dropout.
 
 SIGINT or SIGTERM: the ranks finish the step in progress, agree to stop after the same step, save a
 mid-epoch checkpoint (with --checkpoint), rank 0 prints one line "stopped at epoch E, step S", and the
 processes exit with status 0 (run the same command again to resume; a torchrun that got the signal
 itself still reports it, with its own traceback, and exits 1). Exit status 2: bad options; 1: no such
-device (--device), or an error, with its traceback.
+device (--device), a save not done within --save-timeout (one line, no traceback), or an error, with its
+traceback.
 """
 
 import argparse
@@ -213,37 +215,44 @@ def evaluate(model, dataset, device, batch_size):
 
 
 # [start: checkpoint]
-def save(args, model, opt, scaler, epoch, step, totals, group):
+def save(args, model, opt, progress, group):
     """A torch.distributed.checkpoint folder: every rank writes its shards at once. Written next to the
-    old one, then renamed over it: a save that dies half-way leaves the previous checkpoint whole."""
-    path, tmp = Path(args.checkpoint), Path(args.checkpoint + ".tmp")
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier(group)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    state["progress"] = {"epoch": epoch, "step": step, "totals": totals.cpu(), "scaler": scaler.state_dict()}
-    dcp.save(state, checkpoint_id=tmp, process_group=group)  # bounded by --save-timeout, not --timeout
-    if dist.get_rank() == 0:
-        old = Path(args.checkpoint + ".old")
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier(group)
+    old one, then renamed over it: a save that dies half-way leaves the previous checkpoint whole. Every
+    wait in here is on `group`, bounded by --save-timeout: the ranks that finish writing first wait for
+    the slowest, which on a shared file system can take minutes."""
+    path, tmp, t0 = Path(args.checkpoint), Path(args.checkpoint + ".tmp"), time.monotonic()
+    try:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier(group)
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.save({**state, "progress": progress}, checkpoint_id=tmp, process_group=group)
+        if dist.get_rank() == 0:
+            old = Path(args.checkpoint + ".old")
+            if path.exists():
+                path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        dist.barrier(group)
+    except Exception as e:
+        waited = time.monotonic() - t0
+        if waited < args.save_timeout:
+            raise  # not a timeout: the error as it is
+        why = str(e).partition("\n")[0][:200]  # gloo's first line; the rest is a C++ stack
+        raise SystemExit(
+            f"rank {dist.get_rank()}: the checkpoint save to {tmp} was not done within --save-timeout "
+            f"{args.save_timeout:g} s (waited {waited:.1f} s): give a slow file system a larger --save-timeout. "
+            f"({why})"
+        ) from None
 
 
-def resume(args, model, opt, scaler, group):
-    """(epoch, step, totals) to start from: the saved ones, at this or any other world size."""
+def resume(args, model, opt, progress, group):
+    """Loads the checkpoint into the model, the optimizer and `progress` (in place), at this or any
+    other world size."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    state["progress"] = {"epoch": 0, "step": 0, "totals": torch.zeros(3, dtype=torch.float64)}
-    state["progress"]["scaler"] = scaler.state_dict()  # {} without fp16
-    dcp.load(state, checkpoint_id=args.checkpoint, process_group=group)  # each rank reads what its shards need
+    dcp.load({**state, "progress": progress}, checkpoint_id=args.checkpoint, process_group=group)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
-    if scaler.is_enabled():
-        scaler.load_state_dict(state["progress"]["scaler"])
-    p = state["progress"]  # the totals are the whole job's so far: rank 0 carries them on
-    return p["epoch"], p["step"], p["totals"] * (dist.get_rank() == 0)
 
 
 # [end: checkpoint]
@@ -264,15 +273,28 @@ def main():
 def train(args, rank, world_size, device):
     model, whole, peak = build(args, device, world_size)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)  # last: it must hold the sharded parameters
+    total = args.epochs * (args.samples // args.batch_size)  # optimizer steps, whatever the world size
+    cosine = lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total) / total))  # noqa: E731
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, cosine if args.lr_schedule == "cosine" else lambda s: 1)
     # fp16 gradients underflow unscaled. The sharded scaler all-reduces "found inf": every rank must skip the
     # same steps and keep the same scale, since the reduce-scatter sums gradients scaled on every rank.
     scaler = ShardedGradScaler(device.type, enabled=args.amp == "fp16")
     warnings.filterwarnings("ignore", "Found a non-scalar tensor with numel=1")  # its found-inf flag, on DTensors
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.save_timeout))  # the saves' bound
     ckpt = args.checkpoint and (Path(args.checkpoint) / ".metadata").exists()
-    epoch, start, totals = (
-        resume(args, model, opt, scaler, group) if ckpt else (0, 0, torch.zeros(3, dtype=torch.float64))
-    )
+
+    def progress(epoch, step, totals):  # saved beside the weights; the scaler's state is {} without fp16
+        return dict(epoch=epoch, step=step, totals=totals.cpu(), scaler=scaler.state_dict(), lr=schedule.state_dict())
+
+    epoch, start, totals = 0, 0, torch.zeros(3, dtype=torch.float64)
+    if ckpt:
+        saved = progress(epoch, start, totals)
+        resume(args, model, opt, saved, group)
+        schedule.load_state_dict(saved["lr"])
+        if scaler.is_enabled():
+            scaler.load_state_dict(saved["scaler"])
+        # the totals are the whole job's so far: rank 0 carries them on
+        epoch, start, totals = saved["epoch"], saved["step"], saved["totals"] * (rank == 0)
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak)
     held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
@@ -280,7 +302,8 @@ def train(args, rank, world_size, device):
     say = print if rank == 0 else lambda *a, **k: None
     say(
         f"running: backend {dist.get_backend()}, device {device.type}, world size {world_size}, "
-        f"AMP {args.amp}, global batch {args.batch_size}, per-rank batch {b} ({args.accum} x {micro}); "
+        f"AMP {args.amp}, lr {args.lr:g} {args.lr_schedule}, global batch {args.batch_size}, "
+        f"per-rank batch {b} ({args.accum} x {micro}); "
         f"FSDP: {len(model.blocks)} blocks + root, {whole} bytes of weights, {held} on rank 0",
         flush=True,
     )
@@ -311,13 +334,14 @@ def train(args, rank, world_size, device):
                 nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)  # the whole gradient's norm
             scaler.step(opt)
             scaler.update()
+            schedule.step()
             opt.zero_grad(set_to_none=True)
             flag = torch.tensor([0 if STOP["signal"] is None else 1], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the same answer on every rank, after the same step
             if flag.item():
                 dist.all_reduce(totals)
                 if args.checkpoint:
-                    save(args, model, opt, scaler, epoch, step + 1, totals, group)
+                    save(args, model, opt, progress(epoch, step + 1, totals), group)
                 where = f"; checkpoint saved at {args.checkpoint}" if args.checkpoint else "; nothing saved"
                 say(f"stopped at epoch {epoch}, step {step + 1}{where}", flush=True)
                 return
@@ -331,7 +355,7 @@ def train(args, rank, world_size, device):
         )
         epoch, start, totals = epoch + 1, 0, torch.zeros(3, dtype=torch.float64)
         if args.checkpoint:
-            save(args, model, opt, scaler, epoch, 0, totals, group)
+            save(args, model, opt, progress(epoch, 0, totals), group)
     if args.export:
         export(args, model)
 
@@ -360,6 +384,7 @@ def parse_args():
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=48, help="the global batch, split over the ranks")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off")

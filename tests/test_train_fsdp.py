@@ -4,10 +4,14 @@ started killed after. Specified here, in seven runs shared between the tests:
 
 - it imports torch and the standard library only, never lessonlib; bad options are refused by rank 0 alone,
   before any process group starts, and --device cuda without a GPU before any group too;
-- SIGTERM to a bare torchrun mid-epoch (2 ranks, bfloat16 parameters, dropout on): rank 0 prints one line,
-  "stopped at epoch E, step S; checkpoint saved at ...", no rank a traceback; the same command again resumes
-  and ends with exactly, bit for bit, the weights and AdamW state of a run that was never stopped, and
-  prints the same epoch line; a third run says it has nothing left to do;
+- SIGTERM to a bare torchrun mid-epoch (2 ranks, bfloat16 parameters, dropout on, a cosine learning rate):
+  rank 0 prints one line, "stopped at epoch E, step S; checkpoint saved at ...", no rank a traceback; the
+  same command again resumes and ends with exactly, bit for bit, the weights, AdamW state and schedule of
+  a run that was never stopped, and prints the same epoch line; a third run says it has nothing left to do;
+- a save may take longer than --timeout, not longer than --save-timeout: rank 1 is stopped (SIGSTOP) inside
+  a save, as a rank stuck on a slow file system would be, while rank 0 waits for it. Stopped 5.5 s under
+  --timeout 4, the run goes on; stopped past --save-timeout 8, rank 0 ends the run within 8 s and a bit,
+  with one line that says so and no traceback, and the last checkpoint stays whole;
 - built on meta and loaded from a one-file state dict with broadcast_from_rank0 at 4 ranks: the peak bytes
   ranks 1 to 3 allocated while loading (torch's MemTracker on a CPU) are below the whole model's;
 - --export's one file, loaded into the bare nn.Module in this process, gives the test metrics the sharded
@@ -20,6 +24,7 @@ started killed after. Specified here, in seven runs shared between the tests:
 
 import argparse
 import ast
+import contextlib
 import importlib.util
 import os
 import re
@@ -30,11 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from lessonlib.launcher.processes import kill_session, marked_environment, run_bounded
+from lessonlib.launcher.processes import BOUNDED_VAR, kill_session, marked_environment, marked_processes, run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "lessons" / "train_fsdp.py"
@@ -43,6 +49,11 @@ TIMEOUT = 180
 SMALL = ["--samples", "480", "--width", "32", "--depth", "3"]  # 10 steps of 48 per epoch
 TOL = 1e-4  # float32 AdamW, 20 steps, another world size; measured: 2.0e-6 (1 then 3 ranks), 4.7e-6 (2 ranks)
 EPOCH_LINE = re.compile(r"^epoch (\d+): train loss ([\d.]+) acc ([\d.]+) \| test loss ([\d.]+) acc ([\d.]+)", re.M)
+SLOW_SAVE = re.compile(
+    r"^rank 0: the checkpoint save to (.+) was not done within --save-timeout (\d+) s \(waited ([\d.]+) s\): "
+    r"give a slow file system a larger --save-timeout\. \(.+\)$",
+    re.M,
+)
 
 
 def template():
@@ -110,7 +121,7 @@ def test_bad_options_are_refused_by_rank_0_alone_before_anything_starts(args, me
 
 
 def test_sigterm_mid_epoch_to_torchrun_then_the_same_command_resumes_bit_exact(tmp_path):
-    common = [*SMALL, "--samples", "1920", "--epochs", "2", "--amp", "bf16"]  # 40 steps an epoch
+    common = [*SMALL, "--samples", "1920", "--epochs", "2", "--amp", "bf16", "--lr-schedule", "cosine"]  # 40 steps
     whole = run([*common, "--checkpoint", tmp_path / "whole"], 2)
     stopped = [*common, "--checkpoint", tmp_path / "stopped"]
     env, mark = marked_environment({**os.environ, "TMPDIR": str(tmp_path)})
@@ -138,14 +149,94 @@ def test_sigterm_mid_epoch_to_torchrun_then_the_same_command_resumes_bit_exact(t
     resumed = run(stopped, 2)
     assert f"resumed from {tmp_path / 'stopped'} at epoch 1, step {stops[0][0]}" in resumed, resumed
     assert EPOCH_LINE.findall(resumed) == EPOCH_LINE.findall(whole)[1:], (resumed, whole)  # the same train sums
-    a, b = flat(state(tmp_path / "whole", tmp_path)), flat(state(tmp_path / "stopped", tmp_path))
+    saved = {name: state(tmp_path / name, tmp_path) for name in ("whole", "stopped")}
+    a, b = flat(saved["whole"]), flat(saved["stopped"])
     assert a.keys() == b.keys() and len(a) > 20, sorted(a)
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"resumed run differs from the uninterrupted one in {different}"
+    schedules = [saved[name]["progress"]["lr"] for name in ("whole", "stopped")]
+    assert schedules[0] == schedules[1] and schedules[0]["last_epoch"] == 80, schedules  # 2 epochs of 40 steps
+    assert schedules[0]["_last_lr"] == [0.0], schedules  # cosine: down to 0 at the end
     again = run(stopped, 2)
     assert "has finished all 2 epochs: nothing to do; --epochs N > 2 trains on" in again, again
     assert not EPOCH_LINE.findall(again) and "resumed" not in again, again
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.old")), list(tmp_path.iterdir())
+
+
+def rank_process(mark, rank, deadline):
+    """torchrun's worker process for `rank`, among the processes that carry run_bounded's `mark`."""
+    while time.monotonic() < deadline:
+        for p in marked_processes(BOUNDED_VAR, mark):
+            try:
+                if p.environ().get("RANK") == str(rank) and str(SCRIPT) in p.cmdline():
+                    return p
+            except psutil.Error:
+                pass
+        time.sleep(0.1)
+    pytest.fail(f"no rank {rank} appeared within the bound")
+
+
+def stop_inside_a_save(worker, folder, proc, log, deadline):
+    """SIGSTOP `worker` (rank 1) while it is inside a save: FOLDER.tmp exists, so both ranks have entered
+    the save, and it has no .metadata yet, so rank 0 has not ended dcp.save, whose last step (a broadcast
+    from rank 0) rank 1 must receive. Rank 0 then can only wait for rank 1 on the save's group. Returns the
+    time of the stop; a stop that came too late (the folder gone or complete) is undone and tried again."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    while time.monotonic() < deadline and proc.poll() is None:
+        if tmp.is_dir() and not (tmp / ".metadata").exists():
+            worker.suspend()
+            while worker.status() != psutil.STATUS_STOPPED:
+                time.sleep(0.001)
+            if tmp.is_dir() and not (tmp / ".metadata").exists():
+                return time.monotonic()
+            worker.resume()
+        time.sleep(0.001)
+    pytest.fail(f"rank 1 was never stopped inside a save (exit status {proc.poll()}):\n{log.read_text()}")
+
+
+def test_a_save_may_outlast_timeout_but_not_save_timeout(tmp_path):
+    timeout, stall, save_timeout = 4, 5.5, 8  # stall > --timeout, and --save-timeout > stall
+    folder = tmp_path / "ckpt"
+    args = [*SMALL, "--samples", "96", "--epochs", "20", "--checkpoint", folder]  # 2 steps and a save an epoch
+    args += ["--timeout", timeout, "--save-timeout", save_timeout]
+    env, mark = marked_environment({**os.environ, "TMPDIR": str(tmp_path)})
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [str(a) for a in [*argv(2), *args]], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        worker = None
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            worker = rank_process(mark, 1, deadline)
+            stopped = stop_inside_a_save(worker, folder, proc, log, deadline)
+            epochs = len(EPOCH_LINE.findall(log.read_text()))  # the line comes before the epoch's save
+            time.sleep(stall - (time.monotonic() - stopped))
+            worker.resume()  # rank 0 waited `stall` s on the save's group, longer than --timeout
+            while len(EPOCH_LINE.findall(log.read_text())) == epochs and proc.poll() is None:
+                time.sleep(0.01)  # that save is done when the next epoch's line comes
+                assert time.monotonic() < deadline, f"no epoch after the first stall:\n{log.read_text()}"
+            stopped = stop_inside_a_save(worker, folder, proc, log, deadline)  # now for good
+            while not SLOW_SAVE.search(log.read_text()) and time.monotonic() < stopped + save_timeout + 30:
+                time.sleep(0.05)
+            took = time.monotonic() - stopped
+            worker.resume()  # its own save then fails too, on rank 0's closed connection
+            proc.wait(timeout=60)
+        finally:
+            if worker is not None:
+                with contextlib.suppress(psutil.Error):
+                    worker.resume()
+            kill_session(proc, mark)
+    text = log.read_text()
+    found = SLOW_SAVE.search(text)
+    assert found and found.group(1, 2) == (f"{folder}.tmp", str(save_timeout)), f"no line about the slow save:\n{text}"
+    print(f"stalled {stall} s with --timeout {timeout}: went on; past --save-timeout {save_timeout}: "
+          f"rank 0 gave up after {found[3]} s, its line came {took:.1f} s after the stall began")  # fmt: skip
+    assert save_timeout <= float(found[3]) < save_timeout + 3 and took < save_timeout + 5, (found[3], took)
+    assert proc.returncode == 1 and "[rank0]" not in text, text  # rank 0: its line, no traceback
+    assert len(EPOCH_LINE.findall(text)) > epochs > 0, text  # it trained on after the first stall
+    assert (folder / ".metadata").exists(), "the last complete checkpoint was lost"
 
 
 def test_meta_build_broadcast_load_export_and_other_world_sizes_agree(tmp_path):
