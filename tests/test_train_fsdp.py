@@ -1,6 +1,6 @@
 """The FSDP2 template to copy, lessons/train_fsdp.py, run as a reader runs it: real torchrun (--standalone,
 so concurrent tests never share a port) or plain `python`, real gloo, every run bounded and every process it
-started killed after. Specified here, in seven runs shared between the tests:
+started killed after. Specified here, in nine training runs shared between the tests:
 
 - it imports torch and the standard library only, never lessonlib; bad options are refused by rank 0 alone,
   before any process group starts, and --device cuda without a GPU before any group too;
