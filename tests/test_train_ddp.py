@@ -163,12 +163,12 @@ def test_trains_at_one_rank_and_at_an_uneven_world_size_and_only_rank_0_prints(n
     assert f"amp {'bf16' if nproc else 'off'}" in out, out
 
 
-WHOLE_ARGS = ["--epochs", "2", "--lr-schedule", "cosine"]
+WHOLE_ARGS = ["--epochs", "3", "--lr-schedule", "cosine"]  # 42 steps an epoch
 
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
-    """Two epochs at 2 ranks that nobody stops: (its output, its checkpoint)."""
+    """Three epochs at 2 ranks that nobody stops: (its output, its checkpoint)."""
     path = tmp_path_factory.mktemp("whole") / "whole.pt"
     return run([*WHOLE_ARGS, "--checkpoint", path], 2, forked=True), path
 
@@ -176,7 +176,7 @@ def whole(tmp_path_factory):
 def test_sigterm_to_torchrun_mid_epoch_stops_in_one_line_and_resumes_bit_exact(tmp_path, whole):
     """A SIGTERM to a bare torchrun (as a scheduler preempts) once epoch 0 is done: torchrun forwards it to
     both ranks, which stop after the same step of epoch 1, save, and say so once. The same command then
-    resumes and ends where the run that never stopped ended, to the bit, printing the same epoch 1 line."""
+    resumes and ends where the run that never stopped ended, to the bit, printing the same epoch lines."""
     whole_out, whole_ckpt = whole
     ckpt = tmp_path / "ckpt.pt"
     argv = [TORCHRUN, "--standalone", "--nproc_per_node=2", SCRIPT, *WHOLE_ARGS, "--checkpoint", ckpt]
@@ -189,18 +189,20 @@ def test_sigterm_to_torchrun_mid_epoch_stops_in_one_line_and_resumes_bit_exact(t
     # torchrun itself exits 1 after a signal, with its own SignalException traceback (torch 2.14.1).
     assert job.proc.returncode == 1 and "SignalException" in out, out
     stops = re.findall(r"^stopped at epoch (\d+), step (\d+) \(SIGTERM\); checkpoint saved at (.*)$", out, re.M)
-    assert len(stops) == 1 and stops[0][0] == "1" and stops[0][2] == str(ckpt), out
+    # Epoch 1 as a rule; epoch 2 if this machine held torchrun back for a whole epoch (about 0.5 s).
+    assert len(stops) == 1 and stops[0][0] in ("1", "2") and stops[0][2] == str(ckpt), out
     assert "Traceback" not in out.split("Received 15 death signal")[0], "a rank printed a traceback"
     assert not list(tmp_path.glob("*.tmp")), "the atomic save left its temporary file"
     stopped = state_of(ckpt)
-    assert stopped["epoch"] == 1 and 0 < stopped["batch"] < 42, "the stop should fall inside epoch 1 (42 steps)"
+    epoch = stopped["epoch"]
+    assert str(epoch) == stops[0][0] and 0 < stopped["batch"] < 42, "the stop should fall inside an epoch"
     again = run([*WHOLE_ARGS, "--checkpoint", ckpt], 2, forked=True)
-    assert f"resumed from {ckpt} at epoch 1, batch {stopped['batch']} (step {stops[0][1]})" in again, again
+    assert f"resumed from {ckpt} at epoch {epoch}, batch {stopped['batch']} (step {stops[0][1]})" in again, again
     assert_same_state(state_of(ckpt), state_of(whole_ckpt))
-    assert epoch_lines(again) == {1: epoch_lines(whole_out)[1]}, (again, whole_out)
-    assert accuracies(again)[1] >= 0.85, again
+    assert epoch_lines(again) == {e: epoch_lines(whole_out)[e] for e in range(epoch, 3)}, (again, whole_out)
+    assert accuracies(again)[2] >= 0.85, again
     done, status = run([*WHOLE_ARGS, "--checkpoint", ckpt], ok=False)  # plain python: the job is finished
-    assert status == 0 and f"{ckpt} has finished all 2 epochs: nothing to do (to train more, raise --epochs)" in done
+    assert status == 0 and f"{ckpt} has finished all 3 epochs: nothing to do (to train more, raise --epochs)" in done
 
 
 def test_the_start_pages_middle_script_equals_train_ddp_without_amp(tmp_path, whole):
@@ -303,16 +305,16 @@ def test_a_slow_save_has_its_own_bound(tmp_path, save_timeout, ok):
 
 
 def test_the_adapted_script_trains_and_resumes_bit_exact_after_ctrl_c(tmp_path):
-    """train_regression.py as plain `python`, SIGINT (a terminal's Ctrl-C) once epoch 0 is done: one line,
+    """train_regression.py as plain `python`, SIGINT (a terminal's Ctrl-C) once it has started: one line,
     exit status 130, and the same command ends where a run that never stopped ends, dropout included."""
-    args = ["--epochs", "3", "--checkpoint"]
+    args = ["--epochs", "3", "--samples", "24000", "--checkpoint"]  # 500 steps an epoch, about 0.4 s
     with started([PYTHON, REGRESSION, *args, tmp_path / "a.pt"], TIMEOUT, cwd=ROOT) as job:
-        job.poll_until(lambda: "epoch 0:" in job.output(), timeout=TIMEOUT)
+        job.poll_until(lambda: "running:" in job.output(), timeout=TIMEOUT)  # polled every 0.1 s
         os.kill(job.proc.pid, signal.SIGINT)
         job.proc.wait(timeout=60)
         out = job.output()
     assert job.proc.returncode == 130, out
-    assert re.search(r"^stopped at epoch [12], step \d+ \(SIGINT\); checkpoint saved at", out, re.M), out
+    assert re.search(r"^stopped at epoch [012], step \d+ \(SIGINT\); checkpoint saved at", out, re.M), out
     assert len(out.strip().splitlines()) <= 4 and "Traceback" not in out, out
     resumed = run([*args, tmp_path / "a.pt"], script=REGRESSION)
     whole_out = run([*args, tmp_path / "b.pt"], script=REGRESSION)
