@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 from lessonlib.book import readingmap
+from lessonlib.notebook import scriptdiff
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.unit
@@ -50,6 +53,34 @@ def test_estimate_counts_prose_code_and_the_time_an_exercise_takes():
     assert readingmap.estimate([prose, code, code], "Core") == 4
     assert readingmap.estimate([prose], "Exercise") == 3 + readingmap.EXERCISE_MIN
     assert readingmap.estimate([], "Core") == 1  # never 0
+
+
+@pytest.mark.unit
+def test_code_is_counted_by_the_lines_a_cell_shows_not_by_the_cell():
+    """A cell that shows a 200-line script is not read in the time of a cell that prints one number."""
+    region = readingmap.shown_lines('lessonlib.show_code("lessons/01_launch.py", "read_env")')
+    lines = (ROOT / "lessons" / "01_launch.py").read_text().splitlines()
+    first, last = lines.index("# [start: read_env]"), lines.index("# [end: read_env]")
+    assert region == sum(1 for line in lines[first + 1 : last] if line.strip()) > 3
+    whole = readingmap.shown_lines('scriptdiff.show_file("lessons/train_one.py")')
+    on_disk = (ROOT / "lessons" / "train_one.py").read_text().splitlines()
+    assert whole == sum(1 for line in on_disk if line.strip())
+    names = {}
+    assert (
+        readingmap.shown_lines(
+            'a, b, c = scriptdiff.split_changes("lessons/train_one.py", "lessons/train_ddp.py")', names
+        )
+        == 0
+    )
+    diff = readingmap.shown_lines("scriptdiff.show_diff(a, b)", names)
+    a, b, _ = scriptdiff.split_changes("lessons/train_one.py", "lessons/train_ddp.py")
+    assert diff == sum(1 for line in scriptdiff.unified(a, b).splitlines() if line.strip()) > 20
+    assert readingmap.shown_lines("scriptdiff.show_diff(x, y)", names) == 0  # names it cannot resolve count nothing
+    assert readingmap.shown_lines("print(1)") == 0
+    cell = {"cell_type": "code", "source": 'scriptdiff.show_file("lessons/train_one.py")'}
+    one_line = {"cell_type": "code", "source": "print(1)"}
+    assert readingmap.estimate([cell], "Core") >= whole / readingmap.CODE_LINES_PER_MIN
+    assert readingmap.estimate([one_line], "Core") == 1
 
 
 @pytest.mark.unit

@@ -6,14 +6,18 @@ Every `## ` section of a chapter carries a label on the line right under its hea
     *Core · 6 min*
 
 The kind is one of KINDS and is the author's choice. The minutes are estimated from the section's
-text (`estimate`: prose at READING_WPM words a minute, a little time for each code cell, and
-EXERCISE_MIN to do an exercise). Each chapter also opens with a reading map (an admonition of class
+text (`estimate`: prose at READING_WPM words a minute; code by its lines: what a cell puts on the page
+(`shown_lines`: a lesson region or function from `show_code`, a whole file from `show_file`, a diff from
+`show_diff`) read line by line at CODE_LINES_PER_MIN, the cell's own lines (the launch, the table, the
+plot) skimmed at CELL_LINES_PER_MIN, plus CODE_CELL_MIN for each cell's output; and EXERCISE_MIN to do an
+exercise). Each chapter also opens with a reading map (an admonition of class
 `reading-map`) listing its sections by kind with the total, made from the labels by `render_map`.
 `python -m lessonlib.book.readingmap` writes the minutes and the maps; tests/test_reading_map.py fails
 when a label is missing, a map is stale or a stated time is far from the estimate. The Start page
 builds its short path from the same labels (`path_rows`), so its times are the chapters' own.
 """
 
+import ast
 import json
 import math
 import re
@@ -26,7 +30,9 @@ from ..launcher.spec import ROOT
 BOOK = ROOT / "book"
 KINDS = ("Core", "Deep dive", "Exercise")
 READING_WPM = 180  # technical prose, read with care
-CODE_CELL_MIN = 0.5  # a code cell: its code or the lesson code it shows, and its output
+CODE_LINES_PER_MIN = 12  # code shown to be understood, read line by line to know what each line is for
+CELL_LINES_PER_MIN = 30  # a cell's own code (launch, table, plot): skimmed
+CODE_CELL_MIN = 0.25  # a code cell's output: a table, a picture, each rank's lines
 EXERCISE_MIN = 10  # to write and check an exercise's answer, beyond reading it
 LABEL = re.compile(r"^\*(Core|Deep dive|Exercise) · (\d+) min\*$")
 MAP_CLASS = "reading-map"
@@ -56,9 +62,72 @@ def _source(cell):
 def estimate(cells, kind):
     """Minutes to read `cells` (and to do it, for an exercise), rounded up, at least 1."""
     words = sum(len(_source(c).split()) for c in cells if c["cell_type"] == "markdown")
-    code = sum(1 for c in cells if c["cell_type"] == "code")
-    minutes = words / READING_WPM + CODE_CELL_MIN * code + (EXERCISE_MIN if kind == "Exercise" else 0)
+    code = [c for c in cells if c["cell_type"] == "code"]
+    names = {}  # texts that earlier cells of these cells named, for show_diff(a, b)
+    own = sum(sum(1 for line in _source(c).splitlines() if line.strip()) for c in code)
+    shown = sum(shown_lines(_source(c), names) for c in code)
+    minutes = words / READING_WPM + own / CELL_LINES_PER_MIN + shown / CODE_LINES_PER_MIN + CODE_CELL_MIN * len(code)
+    minutes += EXERCISE_MIN if kind == "Exercise" else 0
     return max(1, math.ceil(minutes))
+
+
+def shown_lines(source, names=None):
+    """The non-blank lines of code a cell shows the reader: `show_code(path, region)` or
+    `show_code(path, pyobject=...)`, `show_file(path)`, and `show_diff(a, b)` where `a` and `b` were made
+    by `read(path)` or `split_changes(path, path)` in a cell before (in `names`, which this function
+    fills). Only literal paths are followed; a call it cannot resolve counts nothing."""
+    from ..notebook import scriptdiff
+    from ..notebook.code import show_code
+
+    names, count = ({} if names is None else names), 0
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return count
+
+    def literal(node):
+        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+    def call_name(node):
+        f = node.func
+        return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            fn, args = call_name(node.value), [literal(a) for a in node.value.args]
+            try:
+                if fn == "split_changes" and len(args) >= 2 and None not in args[:2]:
+                    made = scriptdiff.split_changes(args[0], args[1])
+                elif fn == "read" and args and args[0]:
+                    made = (scriptdiff.read(args[0]),)
+                else:
+                    continue
+            except (OSError, ValueError):
+                continue
+            target = node.targets[0]
+            targets = target.elts if isinstance(target, ast.Tuple) else [target]
+            names.update({t.id: text for t, text in zip(targets, made) if isinstance(t, ast.Name)})
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        fn, args = call_name(node), [literal(a) for a in node.args]
+        kwargs = {k.arg: literal(k.value) for k in node.keywords}
+        try:
+            if fn == "show_code" and args and args[0]:
+                shown = show_code(args[0], *(args[1:2] or [None]), pyobject=kwargs.get("pyobject")).text
+            elif fn == "show_file" and args and args[0]:
+                shown = scriptdiff.read(args[0], docstring=True).text
+            elif fn == "show_diff" and len(node.args) == 2 and all(isinstance(a, ast.Name) for a in node.args):
+                first, second = (names.get(a.id) for a in node.args)
+                if first is None or second is None:
+                    continue
+                shown = scriptdiff.unified(first, second)
+            else:
+                continue
+        except (OSError, ValueError):
+            continue
+        count += sum(1 for line in shown.splitlines() if line.strip())
+    return count
 
 
 def sections(path):
