@@ -59,11 +59,12 @@ def _source(cell):
     return "".join(src) if isinstance(src, list) else src
 
 
-def estimate(cells, kind):
-    """Minutes to read `cells` (and to do it, for an exercise), rounded up, at least 1."""
+def estimate(cells, kind, names=None):
+    """Minutes to read `cells` (and to do it, for an exercise), rounded up, at least 1. `names`: the texts
+    that the notebook's cells name (`shown_lines`), for a `show_diff(a, b)` of two made in another section."""
     words = sum(len(_source(c).split()) for c in cells if c["cell_type"] == "markdown")
     code = [c for c in cells if c["cell_type"] == "code"]
-    names = {}  # texts that earlier cells of these cells named, for show_diff(a, b)
+    names = dict(names or {})
     own = sum(sum(1 for line in _source(c).splitlines() if line.strip()) for c in code)
     shown = sum(shown_lines(_source(c), names) for c in code)
     minutes = words / READING_WPM + own / CELL_LINES_PER_MIN + shown / CODE_LINES_PER_MIN + CODE_CELL_MIN * len(code)
@@ -130,6 +131,15 @@ def shown_lines(source, names=None):
     return count
 
 
+def _names(nb):
+    """What a notebook's code cells name (`read`, `split_changes`), for a diff shown in another section."""
+    names = {}
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            shown_lines(_source(cell), names)
+    return names
+
+
 def sections(path):
     """The `## ` sections of one notebook, in order, with their labels and estimates."""
     nb = json.loads(Path(path).read_text())
@@ -143,6 +153,7 @@ def sections(path):
             found.append(current)
         elif current is not None:
             current["cells"].append(i)
+    names = _names(nb)
     out = []
     for s in found:
         kind = s["label"].group(1) if s["label"] else None
@@ -153,7 +164,7 @@ def sections(path):
                 title=s["title"],
                 kind=kind,
                 minutes=int(s["label"].group(2)) if s["label"] else None,
-                estimate=estimate(cells, kind),
+                estimate=estimate(cells, kind, names),
                 cells=tuple(s["cells"]),
             )
         )
@@ -170,8 +181,9 @@ def render_map(secs):
     by_kind = {k: [s for s in secs if s.kind == k] for k in KINDS}
     core = sum(s.minutes for s in by_kind["Core"])
     total = sum(s.minutes for s in secs)
+    whole = "chapter" if secs and CHAPTER.match(f"{secs[0].chapter}.ipynb") else "page"
     lines = [
-        f":::{{admonition}} Reading map: the core in {core} min, the whole chapter in {total} min",
+        f":::{{admonition}} Reading map: the core in {core} min, the whole {whole} in {total} min",
         f":class: {MAP_CLASS}",
     ]
     names = {"Core": "Core", "Deep dive": "Deep dives", "Exercise": "Exercises"}
@@ -198,12 +210,13 @@ def write(path, kinds=None):
     path = Path(path)
     before = path.read_text()
     nb = json.loads(before)
+    names = _names(nb)
     for s in sections(path):
         kind = (kinds or {}).get(s.title, s.kind)
         if kind not in KINDS:
             raise ValueError(f"{path.name}: section {s.title!r} needs a kind, one of {KINDS}; it has {kind!r}")
         cells = [nb["cells"][i] for i in s.cells]
-        label = f"*{kind} · {estimate(cells, kind)} min*"
+        label = f"*{kind} · {estimate(cells, kind, names)} min*"
         lines = _source(nb["cells"][s.cells[0]]).split("\n")
         head = next(j for j, line in enumerate(lines) if line.startswith("## "))
         if head + 1 < len(lines) and LABEL.match(lines[head + 1].strip()):
