@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SAVE = ROOT / "book" / "captured" / "gpu_check.json"
 OUTPUT_KEEP = 12_000  # characters of each case's output kept in the file: the end, where results and errors are
 MISSING_API = re.compile(r"^(ImportError|ModuleNotFoundError|AttributeError): .*$", re.M)
+MARK = "LESSONLIB_GPUCHECK_RUN"  # in the environment of every process of one launch
 STOPPED = re.compile(r"^stopped at epoch \d+, step \d+.*$", re.M)
 
 
@@ -65,8 +67,8 @@ class Outcome:
     facts: dict = field(default_factory=dict)
 
 
-def template_cases(script, small):
-    stem = Path(script).stem
+def template_cases(script, samples):
+    stem, small = Path(script).stem, ("--epochs", "2", "--samples", samples)
     return [
         Case(name=f"{stem}-1", script=script, args=small, nproc="one", what="one rank"),
         Case(name=f"{stem}-all", script=script, args=small, nproc="all", what="one rank per GPU"),
@@ -75,7 +77,7 @@ def template_cases(script, small):
         Case(
             name=f"{stem}-resume",
             script=script,
-            args=small,
+            args=("--epochs", "3", "--samples", samples),  # stopped in epoch 1 or 2, however fast an epoch is
             nproc="all",
             kind="resume",
             what="SIGTERM mid-run, resumed, compared with a run that never stopped",
@@ -84,8 +86,8 @@ def template_cases(script, small):
 
 
 def cases(rehearsal):
-    small = ("--epochs", "2", "--samples", "512") if rehearsal else ("--epochs", "2", "--samples", "16384")
-    found = [*template_cases("lessons/train_ddp.py", small), *template_cases("lessons/train_fsdp.py", small)]
+    samples = "512" if rehearsal else "16384"
+    found = [*template_cases("lessons/train_ddp.py", samples), *template_cases("lessons/train_fsdp.py", samples)]
     # The other chapter-15 lessons and 08_ddp_amp choose CPU and gloo on purpose (exact float64 timelines,
     # bytes counted through /proc): 15_on_device runs the same classes on the GPU; the three chapter-8 lessons
     # below run a CUDA part of their own when a GPU is there.
@@ -125,17 +127,50 @@ def command(case, nproc, device, extra=()):
 
 
 def environment(tmp):
-    """PYTHONPATH for the lessons that import lessonlib; torchrun's log folders in `tmp`."""
+    """PYTHONPATH for the lessons that import lessonlib; torchrun's log folders in `tmp`; a mark that every
+    process of the run inherits (ranks run in sessions of their own, so only the mark finds them all)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "TMPDIR": tmp, "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, "PYTHONPATH": path, "TMPDIR": tmp, "PYTHONUNBUFFERED": "1", MARK: uuid.uuid4().hex}
+
+
+def marked(mark):
+    """The pids of the processes whose environment carries MARK=mark (Linux: /proc)."""
+    found, needle = [], f"{MARK}={mark}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:  # gone, or not ours to read
+                pass
+    return found
+
+
+def kill_run(proc, mark, grace=5.0):
+    """SIGTERM to torchrun (it stops its ranks), then SIGKILL to every process of the run still there."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    for _ in range(3):
+        pids = marked(mark) + ([proc.pid] if proc.poll() is None else [])
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+    proc.wait()
 
 
 def run(argv, timeout, env, stop_when=None, stop_after=0.0):
-    """Run argv in its own session, bounded; with `stop_when` (a regex), send SIGTERM to torchrun
-    `stop_after` seconds after a line matches. Returns (returncode or None on timeout, output, signalled)."""
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    """Run argv, bounded; with `stop_when` (a regex), send SIGTERM to torchrun `stop_after` seconds after a
+    line matches. Returns (returncode or None on timeout, output, signalled). No process of it outlives it."""
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, matched = [], threading.Event()
 
     def read():
@@ -146,7 +181,7 @@ def run(argv, timeout, env, stop_when=None, stop_after=0.0):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    signalled, deadline = False, time.monotonic() + timeout
+    signalled, deadline, returncode = False, time.monotonic() + timeout, None
     try:
         if stop_when:
             while proc.poll() is None and not matched.wait(0.05) and time.monotonic() < deadline:
@@ -157,25 +192,12 @@ def run(argv, timeout, env, stop_when=None, stop_after=0.0):
                     proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank, as a scheduler's would
                     signalled = True
         try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
+            returncode = proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             lines.append(f"\n[gpucheck] no end after {timeout} s: killed\n")
     finally:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole session: torchrun and every rank
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            returncode = None
-        else:
-            returncode = proc.returncode
-        try:  # a rank's leftover child could keep the pipe open: its session is killed too
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        reader.join(10)
-        proc.stdout.close()
+        kill_run(proc, env[MARK])  # a timeout, an interrupt, or a rank torchrun left behind
+        reader.join(10)  # every writer is gone, so the pipe has closed
     return returncode, "".join(lines), signalled
 
 
@@ -263,7 +285,8 @@ def resume_case(case, nproc, device, timeout, env, tmp, outcome):
     outputs, must_succeed = [], []
     for ckpt, stop in ((whole, False), (stopped, True), (stopped, False)):
         argv = command(case, nproc, device, ("--checkpoint", str(ckpt)))
-        rc, out, signalled = run(argv, timeout, env, stop_when=r"^epoch 0:" if stop else None, stop_after=0.2)
+        # After epoch 0's line: epochs 1 and 2 are left, so the signal lands mid-run however fast an epoch is.
+        rc, out, signalled = run(argv, timeout, env, stop_when=r"^epoch 0:" if stop else None, stop_after=0.05)
         outcome.commands.append(argv)
         outcome.returncodes.append(rc)
         outputs.append(f"$ {' '.join(map(str, argv))}\n{out}")

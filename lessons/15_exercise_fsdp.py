@@ -118,7 +118,8 @@ def flat_shard(tensors, world_size, rank):
 def reduce_gradient(full_grad, world_size):
     grad = full_grad.float()  # the shard's dtype, for the sum too: a bfloat16 sum is rounded at every step
     mine = grad.new_empty(grad.numel() // world_size)  # on the gradient's device: NCCL takes no CPU tensor
-    reduce_scatter_single(mine, grad)  # my piece of the sum (gloo: an all-reduce, then my piece)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # the older name
+    scatter(mine, grad)  # my piece of the sum (gloo: an all-reduce, then my piece)
     return mine / world_size
 
 
