@@ -534,7 +534,7 @@ def test_lesson_code_is_captioned_with_its_file(visit):
             seen += 1
             caption = code["caption"] or ""
             if not re.fullmatch(
-                r"(lessons|lessonlib(/\w+)?)/\w+\.py · ((region|function|class) [\w.-]+|whole file)"
+                r"(lessons|lessons/recipes|lessonlib(/\w+)?)/\w+\.py · ((region|function|class) [\w.-]+|whole file)"
                 r"|lessons/slurm/\w+\.sbatch · region \w+",  # chapter 17's job scripts
                 caption,
             ) and not re.fullmatch(r"diff · lessons/\w+\.py.* → lessons/\w+\.py.*", caption):
@@ -548,17 +548,19 @@ def test_lesson_code_is_captioned_with_its_file(visit):
 
 
 def test_the_start_page_comes_first_with_the_script_its_diffs_and_a_step(visit, book_html):
-    """Start here: first in the navigation, linked from the intro, showing train_ddp.py whole and the two
-    diffs (highlighted, captioned), the picture of one DDP step, and the runs of the script."""
+    """Start here: first in the navigation, linked from the intro, showing train_ddp.py whole and the three
+    diffs (one process to DDP, AMP, another task; highlighted, captioned), the picture of one DDP step, and
+    the runs of the script."""
     pages, _ = visit
     assert "start.html" in pages, f"no Start page among {sorted(pages)}"
     start = pages["start.html"].facts
     captions = [c["caption"] for c in start["lessonCode"]]
     assert "lessons/train_ddp.py · whole file" in captions, captions
     diffs = [c for c in captions if c.startswith("diff · ")]
-    assert len(diffs) == 2, f"the Start page should show two diffs, it shows {diffs}"
+    assert len(diffs) == 3, f"the Start page should show three diffs, it shows {diffs}"
+    assert diffs[-1] == "diff · lessons/train_ddp.py → lessons/train_regression.py", diffs
     highlighted = [b for b in start["blocks"] if b["language"] == "diff" and b["tokens"]]
-    assert len(highlighted) == 2, "the diffs are not highlighted as diffs"
+    assert len(highlighted) == 3, "the diffs are not highlighted as diffs"
     assert any(img["ok"] for img in start["images"]), "the picture of one DDP step did not load"
     assert len(start["runs"]) >= 3, "the step and the two train_ddp.py runs should each show their ranks"
     intro = (book_html / "intro.html").read_text()

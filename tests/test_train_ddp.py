@@ -307,20 +307,20 @@ def test_a_slow_save_has_its_own_bound(tmp_path, save_timeout, ok):
 def test_the_adapted_script_trains_and_resumes_bit_exact_after_ctrl_c(tmp_path):
     """train_regression.py as plain `python`, SIGINT (a terminal's Ctrl-C) once it has started: one line,
     exit status 130, and the same command ends where a run that never stopped ends, dropout included."""
-    args = ["--epochs", "3", "--samples", "24000", "--checkpoint"]  # 500 steps an epoch, about 0.4 s
+    args = ["--epochs", "2", "--samples", "12000", "--checkpoint"]  # 250 steps an epoch, about 0.2 s quiet
     with started([PYTHON, REGRESSION, *args, tmp_path / "a.pt"], TIMEOUT, cwd=ROOT) as job:
         job.poll_until(lambda: "running:" in job.output(), timeout=TIMEOUT)  # polled every 0.1 s
         os.kill(job.proc.pid, signal.SIGINT)
         job.proc.wait(timeout=60)
         out = job.output()
     assert job.proc.returncode == 130, out
-    assert re.search(r"^stopped at epoch [012], step \d+ \(SIGINT\); checkpoint saved at", out, re.M), out
+    assert re.search(r"^stopped at epoch [01], step \d+ \(SIGINT\); checkpoint saved at", out, re.M), out
     assert len(out.strip().splitlines()) <= 4 and "Traceback" not in out, out
     resumed = run([*args, tmp_path / "a.pt"], script=REGRESSION)
     whole_out = run([*args, tmp_path / "b.pt"], script=REGRESSION)
     assert_same_state(state_of(tmp_path / "a.pt"), state_of(tmp_path / "b.pt"))
     mse = [float(m) for m in re.findall(r"test mse ([\d.]+)", whole_out)]
-    assert len(mse) == 3 and mse[2] < 0.7 * mse[0], f"the test MSE should fall by 30% in 3 epochs: {mse}"
+    assert len(mse) == 2 and mse[1] < 0.7 * mse[0], f"the test MSE should fall by 30% in 2 epochs: {mse}"
     assert epoch_lines(resumed).items() <= epoch_lines(whole_out).items(), (resumed, whole_out)
 
 
