@@ -9,6 +9,7 @@
 - `show_code` shows a marked region or a whole function of a lesson file as highlighted code, the
   same in the book, in Jupyter and in VS Code (chapter 1).
 - `plot_ranks` draws what each rank holds, one row per rank (chapter 2).
+- `glue` records a number a chapter's prose states, from the run the page shows (MyST-NB's glue).
 - `panel` is a run panel (ipywidgets): a lesson's ranks and options as controls, Run and Stop, each
   rank's output live (chapter 2).
 - `check_function` checks an exercise answer that must run on every rank (chapter 2).
@@ -53,6 +54,7 @@ _WHERE = {
     "Slurm": "launcher.slurm",
     "show_code": "notebook.code",
     "plot_ranks": "notebook.plots",
+    "glue": "notebook.glue",
     "panel": "notebook.panel",
     "RunPanel": "notebook.panel",
     "check_function": "exercises",

@@ -6,6 +6,7 @@
 - `code`: `show_code`, a lesson's marked region or function as highlighted code.
 - `plots`: `plot_ranks`, what each rank holds, one row per rank.
 - `scriptdiff`: the Start page's diffs from a one-process script to DDP, then AMP.
+- `glue`: a number the prose states, taken from this execution (MyST-NB's `{glue:text}` role).
 - `ncclmessages`: chapter 12's table of what NCCL prints, checked against the installed torch.
 
 Nothing is imported here: `lessonlib.panel`, `show_code` and `plot_ranks` import their module on first use.
