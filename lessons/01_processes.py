@@ -30,9 +30,6 @@ import lessonlib
 
 SHARED = ["original"]
 THREADS_CORES_AT_MOST = 1.1  # CPU seconds per wall second of the threads: 1 when the GIL lets one run at a time
-RANKS_TIME_AT_MOST = (
-    0.9  # ranks / serial wall time, 2+ ranks: 0.5 on two free cores, about 0.75 beside one busy program
-)
 
 
 # [start: memory_is_private]

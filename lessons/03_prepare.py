@@ -163,7 +163,7 @@ def stalled(folder, ctx, timeout):
                 download_atomic(Path(folder) / "data.pt", stall=60)
             dist.barrier()
     finally:
-        print(f"rank {ctx.rank}: gave up after {time.monotonic() - start:.1f} s", flush=True)
+        print(f"rank {ctx.rank}: ended after {time.monotonic() - start:.1f} s", flush=True)
 
 
 def gathered(value):
