@@ -8,17 +8,19 @@ backward), OverlappedDDP (one async all-reduce per tensor, started by a post-acc
 BucketedDDP at several bucket sizes (--caps, MiB; 0 means a bucket per tensor), and torch's
 DistributedDataParallel with its defaults. The variants alternate step by step (after --warmup steps each),
 so that drift in the machine's load hits them alike; each rank starts a step's backward at a barrier.
-Per variant, the median over --steps of:
-  step      ms from the start of backward() to the return of finish_gradient_synchronization()
+Per variant, over --steps:
+  step      the median ms from the start of backward() to the return of finish_gradient_synchronization()
             (torch's DDP: to the return of backward(), which waits for its buckets);
-  exposed   ms from the end of backward() to that return: communication not hidden behind backward;
-  saved     1 - exposed / NaiveDDP's exposed: NaiveDDP's exposed communication the variant did without, by
-            overlap or by sending fewer, larger messages (OverlappedDDP sends as many as NaiveDDP: all overlap);
-  inside    the share of the time an all-reduce was in flight that fell inside backward(): hidden behind it
-            (lessons/15_overlap_ddp.py's timeline: every all-reduce from its launch, seen by a hook, to its
-            completion, seen by a callback on its future).
-Prints the slowest rank's step and exposed times, and their ratios to NaiveDDP. No threshold: this reports.
-Under torchrun it runs as one rank of the benchmark.
+  exposed   that step's ms after backward() returned: communication not hidden behind backward;
+  hidden    (NaiveDDP's step - the variant's step) / the communication alone, where the communication
+            alone is the median ms of NaiveDDP's finish_gradient_synchronization() run again after each
+            round with every rank starting it at a barrier (no backward beside it, no slower rank to wait
+            for): lessons/15_overlap_ddp.py's hidden(), the chapter's definition. For OverlappedDDP, which
+            sends NaiveDDP's messages, it is what overlap took off the step; for BucketedDDP and torch's DDP
+            it also counts what fewer, larger messages saved. On gloo, time an all-reduce waits in gloo's
+            queue during backward, and backward's own slowdown when gloo's threads take its cores, are in it.
+Prints the slowest rank's step and exposed times, their ratios to NaiveDDP, and hidden from those. No
+threshold: this reports. Under torchrun it runs as one rank of the benchmark.
 """
 
 import argparse
@@ -64,38 +66,36 @@ def worker(args):
         start = time.perf_counter()
         loss.backward()  # DDP's buckets are all-reduced, and waited for, in here
         ms = (time.perf_counter() - start) * 1e3
-        return {"step": ms, "exposed": None, "inside": None}
+        return {"finish_ms": ms, "backward_ms": ms}
 
-    rows = {name: [] for name in [*variants, "torch DDP"]}
+    rows, alone = {name: [] for name in [*variants, "torch DDP"]}, []
     for i in range(args.warmup + args.steps):
         for name, ddp in variants.items():
             s = overlap.timed_step(ddp, logs[name], x, y)
-            o = overlap.overlap(s)
-            row = {"step": s["finish_ms"], "exposed": o["exposed"], "inside": o["inside backward"] / o["in flight"]}
             if i >= args.warmup:
-                rows[name].append(row)
+                rows[name].append({"finish_ms": s["finish_ms"], "backward_ms": s["backward_ms"]})
+        row = torch_step()
         if i >= args.warmup:
-            rows["torch DDP"].append(torch_step())
-        else:
-            torch_step()
+            rows["torch DDP"].append(row)
+            alone.append(overlap.communication_alone(variants["NaiveDDP"]))
+    lessonlib.report("alone", statistics.median(alone))
     for name, runs in rows.items():
-        med = {k: statistics.median(r[k] for r in runs) if runs[0][k] is not None else None for k in runs[0]}
+        med = overlap.medians(runs)
+        if name == "torch DDP":
+            med["exposed"] = med["backward"] = None  # its all-reduces are waited for inside backward()
         buckets = len(variants[name].buckets) if hasattr(variants.get(name), "buckets") else None
         lessonlib.report("measured", {"variant": name, "buckets": buckets, **med})
     lessonlib.teardown()
 
 
 def summarize(run):
-    """Per variant: the slowest rank's median step and exposed ms, and the mean share inside backward."""
+    """Per variant: the slowest rank's median step and exposed ms; and the slowest rank's communication alone."""
     rows = {}
     for _, m in run.reports("measured"):
-        row = rows.setdefault(m["variant"], {"step": 0, "exposed": 0, "inside": [], "buckets": m["buckets"]})
+        row = rows.setdefault(m["variant"], {"step": 0, "exposed": 0, "buckets": m["buckets"]})
         row["step"] = max(row["step"], m["step"])
         row["exposed"] = None if m["exposed"] is None else max(row["exposed"], m["exposed"])
-        row["inside"].append(m["inside"])
-    for row in rows.values():
-        row["inside"] = None if None in row["inside"] else statistics.mean(row["inside"])
-    return rows
+    return rows, max(ms for _, ms in run.reports("alone"))
 
 
 def main():
@@ -132,23 +132,24 @@ def main():
         f"{args.layers} x Linear({args.width}, {args.width}) + Tanh: {numel:,} float32 parameters "
         f"({numel * 4 / 2**20:.1f} MiB), {args.batch} rows per rank; median of {args.steps} steps after {args.warmup}"
     )
+    overlap = lessonlib.load_lesson("15_overlap_ddp")  # hidden(): the chapter's definition, not a copy
     print(f"{'ranks':>5}  {'variant':24}{'buckets':>8}{'step ms':>9}{'x naive':>8}{'exposed ms':>11}", end="")
-    print(f"{'x naive':>8}{'saved':>8}{'inside':>8}")
+    print(f"{'x naive':>8}{'hidden':>8}")
     for n in args.world_sizes:
         run = lessonlib.launch(
             __file__, nproc=n, timeout=RUN_TIMEOUT, show="none", env={"OMP_NUM_THREADS": "1"}, args=given
         ).raise_for_status()
-        rows = summarize(run)
+        rows, alone = summarize(run)
         base = rows["NaiveDDP"]
+        print(f"{n:>5}  communication alone (NaiveDDP's all-reduces after a barrier): {alone:.2f} ms")
         for name, r in rows.items():
             line = f"{n:>5}  {name:24}{r['buckets'] or '-':>8}{r['step']:9.2f}{r['step'] / base['step']:8.2f}"
             if r["exposed"] is None:
-                print(line + f"{'(inside backward)':>35}")
-                continue
-            line += (
-                f"{r['exposed']:11.2f}{r['exposed'] / base['exposed']:8.2f}{1 - r['exposed'] / base['exposed']:8.0%}"
-            )
-            print(line + f"{r['inside']:8.0%}")
+                line += f"{'(inside backward)':>19}"
+            else:
+                line += f"{r['exposed']:11.2f}{r['exposed'] / base['exposed']:8.2f}"
+            hidden = overlap.hidden(base["step"], r["step"], alone)
+            print(line + ("" if name == "NaiveDDP" else f"{hidden:8.0%}"))
     return 0
 
 

@@ -2,34 +2,38 @@
 
 BucketedDDP(module, bucket_size_mb): gradients sent in buckets, each as soon as its last gradient is ready.
 
-Options: --layers 6, --width 128, --batch 1024 (the timed model), --steps 3 (timed steps), --pg-timeout S.
+Options: --pg-timeout S (default 30). What a bucket costs, and the step it makes: lessons/15_bucket_sizes.py.
 
 OverlappedDDP (lessons/15_overlap_ddp.py) sends one message per tensor; every message pays a fixed
 cost. BucketedDDP groups the trainable parameters, in reverse registration order (the order backward
 usually finishes them), into buckets of at most bucket_size_mb MiB (a tensor larger than that gets one
 of its own; a bucket holds one dtype). Each hook counts a bucket's gradients down; the last one flattens
-the bucket and starts its all-reduce. finish_gradient_synchronization() waits for each, divides, copies
-back; on_train_batch_start() resets the counts. Asserted, on every rank:
+the bucket and starts its all-reduce, whichever bucket that is. finish_gradient_synchronization() waits
+for each, divides, copies back; on_train_batch_start() resets the counts. Asserted, on every rank:
 1. On TiedNet (float64, tied, frozen, buffers; each rank its own seed), at three caps (a bucket per
    tensor, a few, one), gradients at every step and weights after 3 SGD steps equal one process and
    torch's DDP within TOL.
-2. On a float32 stack of Linear + Tanh layers, NaiveDDP and BucketedDDP at the three caps alternating
-   step by step: as many buckets as tensors, a few, one; no bucket over the cap; each launched after
-   its last gradient is ready; with several buckets the first is launched before the last gradient
-   exists, with one bucket nothing can start before backward has produced everything.
-3. The assignment against torch's DDP, read from a comm hook at iteration 2 (chapter 7: iteration 1
-   is one bucket, then DDP rebuilds them in the order the gradients came), on 4 x Linear(64, 64) with a
-   0.03 MiB cap: the same parameters in the same order (reverse registration is the order backward
+2. The assignment against torch's DDP, read from a comm hook at iteration 2 (iteration 1 is one bucket,
+   then DDP rebuilds them in the order the gradients came, once: chapter 7), on 4 x Linear(64, 64) with
+   a 0.03 MiB cap: the same parameters in the same order (reverse registration is the order backward
    produced them, here), cut elsewhere: ours never passes the cap, torch closes a bucket only once it
    reaches the cap, so its last tensor may pass it. And on a 1.3 MB model, bucket_cap_mb left at its
    default (25 MiB): torch's first bucket closes at 1 MiB (a small first bucket, so that communication
    starts early; passed explicitly, 25 gives one bucket: chapter 7), ours at 25 MiB is one bucket.
-Measured, not asserted: ms per step (from the start of backward() to the return of
-finish_gradient_synchronization()) and communication exposed after backward(), against NaiveDDP's.
+3. The launch order, on Swapped, a model whose second layer runs first, so that backward finishes the
+   first layer's gradient first, a weight per bucket: torch's DDP (find_unused_parameters=True, so its
+   buckets are cut by the cap from the start and never rebuilt) starts bucket 0 (the second layer's)
+   first and the first layer's after it, although that one was ready before: its reducer starts
+   buckets strictly in index order (mark_bucket_ready in reducer.cpp); BucketedDDP starts whichever
+   fills first. Every rank must issue its collectives in the same order, or gloo and NCCL pair one
+   rank's bucket with another's bucket on the next rank: an error or a hang if the sizes differ,
+   silently mixed gradients if they do not. Torch's order is its buckets' index order, and after the
+   rebuild rank 0's assignment is broadcast to every rank (sync_bucket_indices), so the order does not
+   depend on how each rank's backward went; BucketedDDP's is the order the gradients come, the same on
+   every rank only when every rank's autograd runs the same graph in the same order.
 """
 
 import argparse
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -183,76 +187,65 @@ def compare_with_torch(width=64, cap_mb=0.03):
     }
 
 
-def sweep(ctx, args):
-    """NaiveDDP and BucketedDDP at three caps on the float32 stack, alternating: each one's steps."""
-    model_bytes = sum(nbytes(p) for p in overlap.stack(args.layers, args.width).parameters())
-    caps = {"a bucket per tensor": 1e-6, "a few": model_bytes / 3 / MIB, "one bucket": 25}
-    variants = {"NaiveDDP": NaiveDDP(overlap.stack(args.layers, args.width))}
-    variants |= {name: BucketedDDP(overlap.stack(args.layers, args.width), cap) for name, cap in caps.items()}
-    return caps, variants, overlap.alternate(variants, args, ctx.rank)
+# [start: launch_order]
+class Swapped(torch.nn.Module):
+    """`first` registered first but run last: backward finishes its gradients before `second`'s, the
+    opposite of what the buckets' reverse registration order expects."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = torch.nn.Linear(width, width, bias=False), torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, x):
+        return self.first(torch.tanh(self.second(x)))
 
 
-def check_sweep(caps, variants, steps, rank):
-    tensors = len(list(variants["NaiveDDP"].parameters()))
-    counts = {name: len(variants[name].buckets) for name in caps}
-    assert counts["a bucket per tensor"] == tensors and counts["one bucket"] == 1, f"rank {rank}: {counts}"
-    assert 1 < counts["a few"] < tensors, f"rank {rank}: {counts}"
-    for name, cap in caps.items():
-        ddp = variants[name]
-        assert all(len(b) == 1 or sum(map(nbytes, b)) <= cap * MIB for b in ddp.buckets), (
-            f"rank {rank}: {name}: over the cap"
-        )
-        for step in steps[name]:
-            ready = dict(step["ready"])  # parameter index -> ms
-            index = {id(p): i for i, p in enumerate(ddp.module.parameters())}
-            last = max(ready.values())
-            for launch, _, i in step["comm"]:
-                assert launch >= max(ready[index[id(p)]] for p in ddp.buckets[i]), (
-                    f"rank {rank}: {name}: sent before full"
-                )
-            first = min(a for a, _, _ in step["comm"])
-            assert (first < last) == (len(ddp.buckets) > 1), f"rank {rank}: {name}: first launch {first}, last {last}"
+def launch_order(cap_mb=0.01):
+    """One backward on Swapped, a weight per bucket (16 KiB, over the cap): the layer whose gradient was ready
+    first, and the layers in the order torch's DDP and BucketedDDP started their buckets' all-reduces."""
+    theirs, ready, torch_order = Swapped(), [], []
+    # find_unused_parameters=True: buckets cut by the cap from the first iteration and never rebuilt (see
+    # torch_buckets). DDP then warns that it found no unused parameter: true, and not why it is set here.
+    ddp = DDP(theirs, bucket_cap_mb=cap_mb, find_unused_parameters=True)
+    for layer in ("first", "second"):
+        getattr(theirs, layer).weight.register_post_accumulate_grad_hook(lambda p, layer=layer: ready.append(layer))
+
+    def hook(state, bucket):  # called as DDP starts the bucket's all-reduce
+        torch_order.append("first" if bucket.parameters()[0] is theirs.first.weight else "second")
+        return allreduce_hook(None, bucket)
+
+    ddp.register_comm_hook(None, hook)
+    ddp(torch.randn(2, 64)).square().mean().backward()
+    ours = BucketedDDP(Swapped(), cap_mb)
+    ours(torch.randn(2, 64)).square().mean().backward()
+    our_order = [ours.names[id(ours.buckets[i][0])].split(".")[0] for i, _, _ in ours.handles]
+    ours.finish_gradient_synchronization()
+    return {"ready first": ready[0], "torch DDP": torch_order, "BucketedDDP": our_order}
+
+
+# [end: launch_order]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    overlap.timing_options(parser)
+    parser.add_argument("--pg-timeout", type=float, default=30, help="seconds a collective waits")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per rank, as torchrun arranges when it starts several
     ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)
     tied_bytes = naive.trainable_bytes(TiedNet())
     gaps = check_tied(ctx, {"a bucket per tensor": 1e-6, "a few": tied_bytes / 4 / MIB, "one bucket": 25})
-    caps, variants, steps = sweep(ctx, args)
-    check_sweep(caps, variants, steps, ctx.rank)
     assignment = compare_with_torch()
-    rows = []
-    for name, runs in steps.items():
-        ov = [overlap.overlap(s) for s in runs]
-        rows.append(
-            {
-                "variant": name,
-                "buckets": len(variants[name].buckets) if name in caps else None,
-                "step ms": statistics.median(s["finish_ms"] for s in runs),
-                "backward ms": statistics.median(s["backward_ms"] for s in runs),
-                "exposed ms": statistics.median(o["exposed"] for o in ov),
-                "in flight ms": statistics.median(o["in flight"] for o in ov),
-                "inside backward ms": statistics.median(o["inside backward"] for o in ov),
-            }
-        )
-    naive_exposed = rows[0]["exposed ms"]
-    for row in rows:
-        row["exposed vs NaiveDDP"] = row["exposed ms"] / naive_exposed
-    lessonlib.report("sweep", rows)
+    order = launch_order()
+    # torch starts bucket 0 (second) first although bucket 1 (first) was ready before it; ours, as they fill
+    assert order["ready first"] == "first" and order["torch DDP"] == ["second", "first"], f"rank {ctx.rank}: {order}"
+    assert order["BucketedDDP"] == ["first", "second"], f"rank {ctx.rank}: {order}"
     if ctx.is_main:
         lessonlib.report("tied", gaps)
-        lessonlib.report("timeline", {name: runs[-1] for name, runs in steps.items()})
         lessonlib.report("assignment", assignment)
-        print(f"{'variant':20} {'buckets':>7} {'step ms':>8} {'exposed ms':>10} {'x naive':>7} {'inside backward':>15}")
-        for r in rows:
-            print(
-                f"{r['variant']:20} {r['buckets'] or '-':>7} {r['step ms']:8.2f} {r['exposed ms']:10.2f} "
-                f"{r['exposed vs NaiveDDP']:7.2f} {r['inside backward ms'] / r['in flight ms']:15.0%}"
-            )
+        lessonlib.report("launch order", order)
+        for r in gaps:
+            print(f"{r['cap']} ({r['buckets']} buckets): gap to one process {r['gap to one process']:.1e}")
         for who in ("ours", "torch"):
             print(
                 f"{who:5} at {assignment['cap_mb']} MiB: "
@@ -260,6 +253,7 @@ def main():
             )
         first = assignment["torch's first bucket at its default cap"]
         print(f"a 1.3 MB model, torch's default cap: its first bucket holds {first} B, then the rest")
+        print(f"Swapped, ready first: {order['ready first']}; started: {order}")
     lessonlib.teardown()
 
 

@@ -18,8 +18,11 @@ first. Asserted on every rank, each starting from its own seed, on the last of -
    flat and its bias, N * ceil(size / N) elements each), or with prefetch (the next module's all-gather
    started early) the largest two consecutive modules'. In the events, module b (after a) is gathered after
    a is freed, or with prefetch before a computes, in both passes; prefetching changes no weight.
-3. compute_dtype bfloat16 and float16: the blocks compute in it, the all-gathers carry half the bytes and the
-   reduce-scatters the same (float32); within BF16_TOL / F16_TOL of float32.
+3. compute_dtype bfloat16 and float16: the all-gathers carry half the bytes and the reduce-scatters the same
+   (float32 gradients); the weights differ from the float32 run's, within BF16_TOL / F16_TOL. (The blocks
+   compute in it by construction: the gathered weights are made in that dtype.) fully_shard is not run in
+   low precision here: with MixedPrecisionPolicy(param_dtype=...) it reduces gradients in that dtype unless
+   reduce_dtype says otherwise, where this class reduces in float32.
 """
 
 import argparse
@@ -229,8 +232,6 @@ def run(name, n, rank, steps):
     traffic = train(fsdp, steps, n, rank)
     kept = {(p.dtype, p.grad.dtype, p.grad.shape == p.shape) for p in fsdp.parameters() if p.requires_grad}
     assert kept == {(torch.float32, torch.float32, True)}, f"rank {rank}: {name}: parameters and grads {kept}"
-    used = fsdp.module.blocks[0][0].weight.dtype  # the weight the last forward set (storage freed since)
-    assert used == (dtype or torch.float32), f"rank {rank}: {name}: the first block computed with {used}"
     # [start: peak]
     size = (dtype or torch.float32).itemsize  # bytes per gathered element
     need = {fsdp.paths[m]: n * size * sum(s.numel() for s in shards) for m, shards in fsdp.shards_of.items()}
@@ -278,7 +279,8 @@ def main():
     assert same, f"rank {rank}: prefetch changed the collectives: {rows['prefetch']} {rows['float32']}"
     for name, tol in (("bfloat16", BF16_TOL), ("float16", F16_TOL)):
         gaps[name] = gap(got[name], got["float32"])
-        assert gaps[name] < tol, f"rank {rank}: {name} is {gaps[name]:.1e} from float32 (tolerance {tol})"
+        # above 0: the low precision changed the arithmetic, so compute_dtype was not ignored
+        assert 0 < gaps[name] < tol, f"rank {rank}: {name} is {gaps[name]:.1e} from float32 (tolerance {tol})"
         low, full = rows[name]["payload"], rows["float32"]["payload"]
         assert 2 * low["all_gather"] == full["all_gather"], f"rank {rank}: {name} sent {low}, float32 {full}"
         assert low["reduce_scatter"] == full["reduce_scatter"], f"rank {rank}: {name} sent {low}, float32 {full}"

@@ -2,7 +2,7 @@
 
 OverlappedDDP(module): each gradient's all-reduce starts inside backward(), the moment that gradient is ready.
 
-Options: --layers 6, --width 128, --batch 1024 (the timed model), --steps 3 (timed steps), --pg-timeout S.
+Options: --layers 6, --width 128, --batch 1024 (the timed model), --steps 5 (timed steps), --pg-timeout S.
 
 NaiveDDP (lessons/15_naive_ddp.py) waits for backward() to end, then sends every gradient. OverlappedDDP
 registers a post-accumulate-grad hook on every trainable parameter: autograd calls it once that
@@ -14,13 +14,20 @@ Asserted, on every rank:
    torch's DDP within TOL; the tied weight gets one hook, so it is sent once (payload = trainable bytes).
 2. A timeline, chapter 7's way, on a float32 stack of Linear + Tanh layers, NaiveDDP and OverlappedDDP
    alternating step by step (one warm-up step each): every all-reduce of OverlappedDDP is launched
-   inside backward(), the first one before the last gradient exists, and in the same order on every
-   rank. gloo pairs collectives by the order each rank issues them, so that order must match: the same
-   model and graph make autograd run the hooks in the same order everywhere. A rank whose graph differs
-   (a branch only it takes) would pair one parameter's all-reduce with another's: an error if the sizes
-   differ, silently mixed gradients if they do not.
-Measured, not asserted (a 2-core machine is noisy): communication exposed after backward() (from its end
-to finish's return), against NaiveDDP's, and the share of the in-flight time inside backward().
+   from a gradient hook, so inside backward() (the hooks see one launch per trainable tensor, none is
+   left for finish), and the launches come in the same order on every rank. gloo pairs collectives by
+   the order each rank issues them, so that order must match: the same model and graph make autograd
+   run the hooks in the same order everywhere. A rank whose graph differs (a branch only it takes)
+   would pair one parameter's all-reduce with another's: an error if the sizes differ, silently mixed
+   gradients if they do not.
+Measured, not asserted (a 2-core machine is noisy): the step (from the start of backward() to the
+return of finish_gradient_synchronization()), median over the timed steps, split into backward() and
+the communication exposed after it; and the share of a step's bytes this rank had sent when backward()
+returned (Linux). The communication alone: NaiveDDP's finish_gradient_synchronization() again after
+each round, every rank starting it at a barrier (no backward beside it, no slower rank to wait for).
+The share hidden is hidden() below: (NaiveDDP's step - OverlappedDDP's step) / the communication
+alone. It counts all that overlap changed: on gloo, an all-reduce waiting in gloo's queue while
+backward runs, and backward's own slowdown when the two share the CPU cores, are both in it.
 """
 
 import argparse
@@ -33,7 +40,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lessonlib
-from lessonlib.sharding import Traffic
+from lessonlib.sharding import Traffic, bytes_written
 from lessonlib.training import gather, max_gap
 
 naive = lessonlib.load_lesson("15_naive_ddp")  # NaiveDDP, TiedNet and the float64 training both lessons compare
@@ -123,11 +130,11 @@ def timed_step(ddp, log, x, y):
     ddp.zero_grad()
     loss = F.mse_loss(ddp(x), y)
     dist.barrier()  # every rank starts its backward together
-    start = time.perf_counter()
+    start, before = time.perf_counter(), bytes_written()
     loss.backward()
-    end = time.perf_counter()
+    end, by_end = time.perf_counter(), bytes_written()
     ddp.finish_gradient_synchronization()
-    finish = time.perf_counter()
+    finish, after = time.perf_counter(), bytes_written()
     ms = lambda t: (t - start) * 1e3  # noqa: E731
     for row in log["comm"]:
         row.pop("stamped").wait()
@@ -137,20 +144,35 @@ def timed_step(ddp, log, x, y):
         "finish_ms": ms(finish),
         "ready": [(i, ms(t)) for i, t in log["ready"]],
         "comm": comm,
+        # bytes this rank had written (gloo's sockets: nothing else writes meanwhile) when backward() returned,
+        # and by the end of the step; None where /proc/self/io does not exist
+        "sent": None if before is None else [by_end - before, after - before],
     }
 
 
-def overlap(step):
-    """ms with an all-reduce in flight (the union of launch..done), the part inside backward(), and the
-    ms exposed: from the end of backward() to the return of finish_gradient_synchronization()."""
-    busy, inside, reach = 0.0, 0.0, -1.0
-    for a, b, _ in sorted(step["comm"], key=lambda c: c[0]):
-        a = max(a, reach)
-        if b > a:
-            busy += b - a
-            inside += max(0.0, min(b, step["backward_ms"]) - a)
-            reach = b
-    return {"in flight": busy, "inside backward": inside, "exposed": step["finish_ms"] - step["backward_ms"]}
+def medians(runs):
+    """A variant's median step, in ms, from the start of backward() to the return of
+    finish_gradient_synchronization(), and that same step's parts: backward() and what was exposed after it."""
+    step = statistics.median_low([s["finish_ms"] for s in runs])
+    s = next(s for s in runs if s["finish_ms"] == step)
+    return {"step": step, "backward": s["backward_ms"], "exposed": step - s["backward_ms"]}
+
+
+def communication_alone(ddp):
+    """ms of ddp.finish_gradient_synchronization() on the gradients it holds, started on every rank at once
+    (a barrier): NaiveDDP's all-reduces with no backward() beside them and no slower rank to wait for."""
+    dist.barrier()
+    start = time.perf_counter()
+    ddp.finish_gradient_synchronization()
+    return (time.perf_counter() - start) * 1e3
+
+
+def hidden(sequential, overlapped, alone):
+    """The share of the communication that overlap took off the step: (NaiveDDP's step - the overlapped step)
+    / the communication alone, in ms. 1: all of it hidden; 0: no shorter; below 0: slower. It counts all that
+    changed: on gloo, an all-reduce waiting in gloo's queue during backward(), and backward()'s own slowdown
+    when gloo's threads take its CPU cores, are in it."""
+    return (sequential - overlapped) / alone
 
 
 def check_tied(ctx, want):
@@ -171,17 +193,20 @@ def check_tied(ctx, want):
 
 def alternate(variants, args, rank):
     """Each variant's timed steps after WARMUP, on the same rows (args.batch x args.width), the variants taking
-    turns step by step so that the machine's load hits them alike."""
+    turns step by step so that the machine's load hits them alike; and after each round, NaiveDDP's
+    communication alone (ms), where it is one of them."""
     logs = {name: watch(ddp) for name, ddp in variants.items()}
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width, generator=g)
-    steps = {name: [] for name in variants}
+    steps, alone = {name: [] for name in variants}, []
     for i in range(WARMUP + args.steps):
         for name, ddp in variants.items():
             step = timed_step(ddp, logs[name], x, y)
             if i >= WARMUP:
                 steps[name].append(step)
-    return steps
+        if i >= WARMUP and "NaiveDDP" in variants:
+            alone.append(communication_alone(variants["NaiveDDP"]))
+    return steps, alone
 
 
 def timing_options(parser):
@@ -189,7 +214,7 @@ def timing_options(parser):
     parser.add_argument("--layers", type=int, default=6, choices=range(2, 33), metavar="2..32")
     parser.add_argument("--width", type=int, default=128, choices=range(8, 1025), metavar="8..1024")
     parser.add_argument("--batch", type=int, default=1024, choices=range(1, 4097), metavar="1..4096")
-    parser.add_argument("--steps", type=int, default=3, choices=range(1, 51), metavar="1..50")
+    parser.add_argument("--steps", type=int, default=5, choices=range(1, 51), metavar="1..50")
     parser.add_argument("--pg-timeout", type=float, default=30, help="seconds a collective waits")
 
 
@@ -204,26 +229,21 @@ def main():
 
     variants = {"NaiveDDP": NaiveDDP(stack(args.layers, args.width))}
     variants["OverlappedDDP"] = OverlappedDDP(stack(args.layers, args.width))
-    steps = alternate(variants, args, rank)
+    steps, alone = alternate(variants, args, rank)
     tensors = 2 * args.layers
     for step in steps["OverlappedDDP"]:
-        launches = [a for a, _, _ in step["comm"]]
         # watch() sees launches from the gradient hooks, which run inside backward(): all of them there
-        assert len(launches) == tensors, f"rank {rank}: {len(launches)} launched in backward, not {tensors}"
-        assert min(launches) < max(t for _, t in step["ready"]), f"rank {rank}: nothing started before the last grad"
+        assert len(step["comm"]) == tensors, f"rank {rank}: {len(step['comm'])} launched in backward, not {tensors}"
     order = torch.tensor([i for _, _, i in steps["OverlappedDDP"][-1]["comm"]])  # parameters, as launched
     assert all(torch.equal(o, order) for o in gather(order)), f"rank {rank}: hooks ran in another order: {order}"
-    summary = {
-        name: {k: statistics.median(overlap(s)[k] for s in runs) for k in ("in flight", "inside backward", "exposed")}
-        | {"backward": statistics.median(s["backward_ms"] for s in runs)}
-        for name, runs in steps.items()
-    }
-    # The same all-reduces, one per tensor, in both: what OverlappedDDP no longer exposes, overlap hid.
-    hidden = 1 - summary["OverlappedDDP"]["exposed"] / summary["NaiveDDP"]["exposed"]
-    inside = summary["OverlappedDDP"]["inside backward"] / summary["OverlappedDDP"]["in flight"]
+    summary = {name: medians(runs) for name, runs in steps.items()}
+    comm = statistics.median(alone)
+    share = hidden(summary["NaiveDDP"]["step"], summary["OverlappedDDP"]["step"], comm)
+    sent = [s["sent"] for s in steps["OverlappedDDP"]]  # [by the end of backward(), in the whole step]
+    early = statistics.median(a / b for a, b in sent) if sent[0] and sent[0][1] else None  # None: no /proc, or 1 rank
     lessonlib.report(
         "overlap",
-        {"ms (medians)": summary, "NaiveDDP's exposed time hidden": hidden, "in flight inside backward": inside},
+        {"ms (medians)": summary, "communication alone": comm, "hidden": share, "sent by the end of backward": early},
     )
     if ctx.is_main:
         lessonlib.report("tied", {k: f"{v:.1e}" for k, v in gaps.items()})
@@ -231,10 +251,16 @@ def main():
         print("OverlappedDDP on TiedNet, largest gap to " + ", ".join(f"{k} {v:.1e}" for k, v in gaps.items()))
         for name, s in summary.items():
             print(
-                f"{name:14} backward {s['backward']:6.2f} ms, exposed after it {s['exposed']:6.2f} ms, "
-                f"all-reduces in flight {s['in flight']:6.2f} ms ({s['inside backward']:6.2f} inside backward)"
+                f"{name:14} step {s['step']:6.2f} ms: backward {s['backward']:6.2f} ms, "
+                f"then {s['exposed']:6.2f} ms exposed"
             )
-        print(f"OverlappedDDP: {inside:.0%} of its in-flight time inside backward(); exposed {hidden:.0%} less")
+        print(f"NaiveDDP's all-reduces alone, after a barrier: {comm:6.2f} ms")
+        print(
+            f"OverlappedDDP's step is {summary['OverlappedDDP']['step'] / summary['NaiveDDP']['step']:.2f} x "
+            f"NaiveDDP's: {share:.0%} of the communication time hidden"
+        )
+        if early is not None:
+            print(f"OverlappedDDP: {early:.0%} of a step's bytes had left this rank when backward() returned")
     lessonlib.teardown()
 
 
