@@ -1,0 +1,133 @@
+"""Chapter 17's job scripts (lessons/slurm/*.sbatch), as a reader copies them, on the chapter's kind of cluster.
+
+Each srun line passes `--kill-on-bad-exit=1` (Slurm's default, KillOnBadExit=0, leaves the other tasks
+waiting) and `--cpus-per-task` again (since Slurm 22.05 srun does not inherit sbatch's). On a real two-node
+lessonlib.Slurm cluster: torchrun.sbatch runs a correct job of 4 ranks; when one node's torchrun fails while
+the other's rank waits without any collective, Slurm ends the waiting one within seconds, and with the
+option set to 0 it does not (the control); and requeue.sbatch comes back after a real preemption (Slurm's
+SIGTERM to the ranks, none to the script) and resumes exactly. The chapter runs srun.sbatch, and
+requeue.sbatch under its time limit's signal, itself; tests/test_slurm.py runs srun.sbatch too.
+"""
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from lessonlib.launcher.slurm import Slurm, unavailable
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted((ROOT / "lessons" / "slurm").glob("*.sbatch"))
+JOB_BOUND = 120.0  # seconds for a job of torch ranks to end (about 10 s here)
+STEP_BOUND = 60.0  # seconds for a job's ranks to print their first steps
+KILLED_BOUND = 30.0  # seconds for Slurm to end the waiting node after the other failed (a few here)
+WAITING = 10.0  # seconds the control job must still be running after its other node failed
+GROUP = pytest.mark.xdist_group("ch17-scripts")  # one cluster, one worker, the tests in file order
+
+# A rank that fails on the second node while the first node's rank waits, in no collective (so nothing in
+# torch ends it): only Slurm can end the first node's torchrun.
+FAIL_OR_WAIT = """import os, sys, time
+if os.environ["GROUP_RANK"] == "1":
+    sys.exit("node 1's rank fails")
+print("node 0's rank: waiting", flush=True)
+time.sleep(300)
+"""
+
+
+def srun_lines(path):
+    """The script's srun commands, each with its continuation lines joined."""
+    text = path.read_text().replace("\\\n", " ")
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("srun ")]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_every_srun_line_ends_the_step_on_a_bad_exit_and_asks_for_the_cpus_again(path):
+    lines = srun_lines(path)
+    assert lines, f"{path.name} runs no srun"
+    for line in lines:
+        assert "--kill-on-bad-exit=1" in line, f"{path.name}: {line}"
+        assert '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in line, f"{path.name}: {line}"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if reason := unavailable():
+        pytest.skip(reason)
+    with Slurm(nodes=2) as cluster:
+        yield cluster
+
+
+def wait_for(check, bound, what):
+    deadline = time.monotonic() + bound
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {bound:.0f} s")
+        time.sleep(0.2)
+    return value
+
+
+@GROUP
+@pytest.mark.timeout(240)
+def test_torchrun_sbatch_runs_a_correct_job_of_4_ranks(cluster):
+    job = cluster.sbatch("lessons/slurm/torchrun.sbatch", "lessons/17_ranks.py", "--expect-world", "4")
+    fields, out = cluster.wait(job, JOB_BOUND), cluster.output(job)
+    assert fields["JobState"] == "COMPLETED", out
+    assert out.count("a correct job of 4 ranks") == 4, out
+
+
+@GROUP
+@pytest.mark.timeout(240)
+def test_a_failing_node_makes_slurm_end_the_waiting_one_and_without_the_option_it_waits(cluster):
+    script = cluster.jobs / "fail_or_wait.py"
+    script.write_text(FAIL_OR_WAIT)
+    one_rank = (ROOT / "lessons/slurm/torchrun.sbatch").read_text().replace("--nproc_per_node=2", "--nproc_per_node=1")
+    assert "--kill-on-bad-exit=1" in one_rank
+    for kill in (1, 0):
+        text = one_rank.replace("--kill-on-bad-exit=1", f"--kill-on-bad-exit={kill}")
+        job = cluster.sbatch(text, script)
+        wait_for(
+            lambda job=job: re.search(r"srun: error: node2: task 1: Exited", cluster.output(job)), JOB_BOUND, "failure"
+        )
+        failed = time.monotonic()
+        assert "node 0's rank: waiting" in cluster.output(job), cluster.output(job)
+        if kill:
+            fields = cluster.wait(job, KILLED_BOUND)
+            took = time.monotonic() - failed
+            assert fields["JobState"] == "FAILED" and took < KILLED_BOUND, (fields["JobState"], took)
+            assert re.search(r"STEP \d+\.0 ON node1 CANCELLED", cluster.output(job)), cluster.output(job)
+        else:
+            time.sleep(WAITING)
+            state = cluster.job(job)["JobState"]
+            cluster.run(["scancel", job], timeout=10)
+            assert state == "RUNNING", f"with --kill-on-bad-exit=0 the job was {state} {WAITING:.0f} s later"
+            cluster.wait(job, 30)
+
+
+@GROUP
+@pytest.mark.timeout(300)
+def test_requeue_sbatch_comes_back_after_a_real_preemption_and_resumes_exactly(cluster):
+    """Partition `urgent` may preempt `batch` (PreemptMode=REQUEUE, GraceTime 10 s), as in the chapter. The
+    script gets no signal; the ranks get SIGTERM and save; the script sees PreemptTime and requeues."""
+    conf = cluster.conf.read_text()
+    batch = next(line for line in conf.splitlines() if line.startswith("PartitionName=batch"))
+    conf = conf.replace(batch, f"{batch} PriorityTier=1 GraceTime=10")
+    conf += "PreemptType=preempt/partition_prio\nPreemptMode=REQUEUE\n"
+    conf += "PartitionName=urgent Nodes=node1,node2 PriorityTier=2 PreemptMode=OFF\n"
+    cluster.conf.write_text(conf)
+    assert cluster.run(["scontrol", "reconfigure"], timeout=30).returncode == 0
+    ckpt = cluster.folder / "checkpoints" / "test-preempt"
+    lesson = ["lessons/12_preempt.py", "--dir", ckpt, "--steps", "8", "--every", "100", "--step-time", "0.5"]
+    job = cluster.sbatch("lessons/slurm/requeue.sbatch", *lesson)
+    wait_for(lambda: "step 2 done" in cluster.output(job), STEP_BOUND, f"step 2 of job {job}")
+    urgent = cluster.sbatch("#!/bin/bash\n#SBATCH --nodes=2\nsrun hostname\n", options=["--partition=urgent"])
+    fields = cluster.wait(job, JOB_BOUND + 60, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
+    out = cluster.output(job)
+    assert cluster.wait(urgent, 30)["JobState"] == "COMPLETED"
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", out
+    assert "batch: preempted" in out and "batch: SIGUSR1" not in out, out
+    saved = set(re.findall(r"SIGTERM: saved step (\d+)", out))
+    assert len(saved) == 1 and set(re.findall(r"starting at step (\d+)", out)) == {"0", *saved}, out
+    gaps = re.findall(r"gap to one uninterrupted process: (\S+)", out)
+    assert len(gaps) == 2 and all(float(g) <= 1e-12 for g in gaps), out
