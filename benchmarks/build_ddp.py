@@ -18,7 +18,8 @@ Per variant, over --steps:
             for): lessons/15_overlap_ddp.py's hidden(), the chapter's definition. For OverlappedDDP, which
             sends NaiveDDP's messages, it is what overlap took off the step; for BucketedDDP and torch's DDP
             it also counts what fewer, larger messages saved. On gloo, time an all-reduce waits in gloo's
-            queue during backward, and backward's own slowdown when gloo's threads take its cores, are in it.
+            queue during backward, and backward's own slowdown when gloo's threads take its cores, are in it;
+            it can pass 1, since NaiveDDP's step also waits for the slower rank, the communication alone not.
 Prints the slowest rank's step and exposed times, their ratios to NaiveDDP, and hidden from those. No
 threshold: this reports. Under torchrun it runs as one rank of the benchmark.
 """

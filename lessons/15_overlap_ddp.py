@@ -169,9 +169,10 @@ def communication_alone(ddp):
 
 def hidden(sequential, overlapped, alone):
     """The share of the communication that overlap took off the step: (NaiveDDP's step - the overlapped step)
-    / the communication alone, in ms. 1: all of it hidden; 0: no shorter; below 0: slower. It counts all that
-    changed: on gloo, an all-reduce waiting in gloo's queue during backward(), and backward()'s own slowdown
-    when gloo's threads take its CPU cores, are in it."""
+    / the communication alone, in ms. 1: all of it hidden; 0: no shorter; below 0: slower; above 1: backward()
+    ran faster, or NaiveDDP's step waited longer for the slower rank. It counts all that changed: on gloo,
+    an all-reduce waiting in gloo's queue during backward(), and backward()'s own slowdown when gloo's
+    threads take its CPU cores, are in it."""
     return (sequential - overlapped) / alone
 
 
