@@ -134,7 +134,8 @@ def main():
         }
         for b in sorted(alone, reverse=True)
     ]
-    best = min(range(1, 2 * len(params) + 1), key=lambda b: step_model(b, total, alpha, per_byte, backward))
+    # the model's best count among those buckets of whole tensors can reach: 1 to a bucket per tensor
+    best = min(range(1, len(params) + 1), key=lambda b: step_model(b, total, alpha, per_byte, backward))
     lessonlib.report(
         "buckets",
         {
@@ -146,6 +147,7 @@ def main():
             "NaiveDDP, model": backward + comm_model(len(params), total, alpha, per_byte),
             "bytes": total,
             "model's best": best,
+            "model's best step": step_model(best, total, alpha, per_byte, backward),
         },
     )
     if ctx.is_main:
@@ -157,7 +159,7 @@ def main():
             print(
                 f"{r['buckets']:7} {r['alone']:9.2f} {r['alone, model']:7.2f} {r['step']:8.2f} {r['step, model']:7.2f}"
             )
-        print(f"the model's best bucket count for this step: {best}")
+        print(f"the model's best bucket count here (1 to {len(params)}): {best}")
     lessonlib.teardown()
 
 
