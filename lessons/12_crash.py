@@ -2,17 +2,20 @@
 
 One rank dies in the middle of training: what the others see, and how to find the one that started it.
 
-Options: --fail raise, --fail sigkill or --fail exit (how rank --rank dies at step --at-step; default: no rank
-fails), --rank R (default: the last rank), --at-step K (default 3), --steps N (default 6), --pg-timeout S
-(default 30), --no-record (run main without torch's @record).
+Options: --fail raise, --fail sigkill, --fail exit or --fail abort (how rank --rank dies at step --at-step;
+default: no rank fails), --rank R (default: the last rank), --at-step K (default 3), --steps N (default 6),
+--pg-timeout S (default 30), --no-record (run main without torch's @record).
 
 Every step, each rank loads a batch and all-reduces its loss. With --fail, one rank goes away at step K
-in one of three ways: an exception while it loads its batch (raise), killed by the operating system as the
-out-of-memory killer would (sigkill: no Python traceback, no exit record), or a clean early exit, as when a
-rank believes it has run out of data (exit: exit code 0). The surviving ranks are inside the next all_reduce
-when their peer disappears, and fail there too, with an error that names only the connection. `main` is
-wrapped in torch's @record, so an exception is also written to the file torchrun names in
-TORCHELASTIC_ERROR_FILE, and torchrun's summary shows its traceback.
+in one of four ways: an exception while it loads its batch (raise), killed by the operating system as the
+out-of-memory killer would (sigkill: no Python traceback, no exit record), a clean early exit, as when a
+rank believes it has run out of data (exit: exit code 0), or an abort from C++ code (abort: SIGABRT, what
+NCCL's watchdog does after a timeout, and gloo after a malformed message; no Python exception). The
+surviving ranks are inside the next all_reduce when their peer disappears, and fail there too, with an
+error that names only the connection. `main` is wrapped in torch's @record, so an exception is also
+written to the file torchrun names in TORCHELASTIC_ERROR_FILE, and torchrun's summary shows its
+traceback; @record also turns on Python's faulthandler, which prints every thread's stack when the
+process is aborted.
 """
 
 import argparse
@@ -26,7 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import lessonlib
 
-FAILURES = ("none", "raise", "sigkill", "exit")
+FAILURES = ("none", "raise", "sigkill", "exit", "abort")
 
 
 def load_batch(step, rank, args):
@@ -39,6 +42,8 @@ def load_batch(step, rank, args):
         if args.fail == "exit":
             print(f"rank {rank}: no more data at step {step}, leaving", flush=True)
             sys.exit(0)  # a clean exit, too early: exit code 0
+        if args.fail == "abort":
+            os.abort()  # SIGABRT, as from C++: no exception for Python to catch or @record to write
     # [end: fail]
     return torch.full((4,), float(step + rank))
 

@@ -13,7 +13,7 @@ in scope; the other ranks go on into the all_reduce and wait there, for at most 
 PYTHONBREAKPOINT=0 turns breakpoint() into a no-op without touching the code.
 --dist-breakpoint R: every rank calls torch.distributed.breakpoint(rank=R) at step 1 instead: rank R stops
 in pdb, the others wait in a barrier, and every group's timeout is first raised to an hour (and stays
-there), so the short --pg-timeout of normal runs does not end the session.
+there: each rank prints its timeout after the last step), so the short --pg-timeout does not end the session.
 --log-dir DIR: Python logging to DIR/rank{r}.log, one file per rank, rank 0 at INFO and the others at
 WARNING, as scripts commonly set it up. The NaN warning is only in the last rank's file (asserted).
 --debugpy-port P: rank r listens for a debugger on 127.0.0.1, port P + r, and waits until one attaches
@@ -122,6 +122,9 @@ def main():
         valid = batch(step, ctx.world_size)
         expected = valid[~valid.isnan()].mean().item()
         assert got == expected, f"rank {ctx.rank}: step {step}: mean {got} != {expected}"
+    if args.dist_breakpoint is not None:  # dist.breakpoint set every group's timeout to its timeout_s, for good
+        now = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout
+        print(f"rank {ctx.rank}: after dist.breakpoint, collectives wait at most {now.total_seconds():g} s")
     for handler in log.handlers:
         handler.close()
     if args.log_dir:
