@@ -7,11 +7,19 @@ and fits the times to the alpha-beta model; on one machine (as above) the ranks 
 
 Options: --sizes MiB,... (all-reduced float32 tensors; default 0.25,1,4), --repeats N (default 3),
 --hooks none,fp16,powersgd (the DDP communication hooks to time: none is DDP's own all-reduce),
---steps N (timed DDP steps per hook, after 2 untimed; default 3), --pg-timeout S (default 60).
+--steps N (timed DDP steps per hook, after 2 untimed; default 3), --pg-timeout S (default 60),
+--threads N (torch's intra-op threads per rank; default 1, 0 keeps torch's default of one per core).
+
+Why one thread: chapter 16's hosts share one machine's cores, and torchrun sets OMP_NUM_THREADS=1 only
+when a node runs several ranks. With a thread per core in each rank, the OpenMP threads that spin after
+each parallel op take the cores the other host's rank needs to send and receive; on a 2-core machine the
+DDP step without a hook then took up to twice its all-reduce (chapter 16).
 
 Reported: "allreduce", {bytes: [seconds of each repeat]}, each repeat the slowest rank's time from a common
 start (a barrier), as a collective ends for everyone only when the slowest rank is done; "own", the same
-with each rank's own time; and "compress",
+with each rank's own time; "wire", {"sent": bytes this rank's network interfaces (all but loopback, from
+Linux's /proc/net/dev) sent while it timed the all-reduces, "payload": the bytes the ring model says its
+all-reduces send}, on Linux with a network other than loopback only; and "compress",
 {hook: {"step": median seconds, "bytes": bytes each rank all-reduces per step}}. Asserted on every rank:
 the all-reduced values are right; DDP under each hook leaves every rank's weights equal.
 """
@@ -20,6 +28,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 # Tensors stay on the CPU; with a GPU visible, torch 2.14.1's PowerSGD synchronizes a CUDA device (chapter 14).
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -57,6 +66,20 @@ def time_allreduce(numel, repeats):
 
 
 # [end: time_allreduce]
+
+
+def interface_bytes_sent():
+    """Bytes sent so far by every network interface of this host but loopback (Linux's /proc/net/dev), or None."""
+    try:
+        lines = Path("/proc/net/dev").read_text().splitlines()[2:]
+    except OSError:
+        return None
+    sent = 0
+    for line in lines:
+        name, fields = line.split(":", 1)
+        if name.strip() != "lo":
+            sent += int(fields.split()[8])  # receive has 8 columns, then transmit's bytes
+    return sent
 
 
 # [start: compress]
@@ -111,21 +134,35 @@ def main():
     parser.add_argument("--hooks", type=comma_list(str, choices=HOOKS), default=list(HOOKS))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--pg-timeout", type=float, default=60.0)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    if args.threads < 0:
+        parser.error("--threads must be 0 (torch's default) or more")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)
-    rank = ctx.rank
+    rank, world = ctx.rank, ctx.world_size
     times, own = {}, {}
+    sent_before = interface_bytes_sent()
     for mib in args.sizes:
         numel = int(mib * 2**20) // 4
         times[numel * 4], own[numel * 4] = time_allreduce(numel, args.repeats)
+    # Read after the last repeat's MAX all-reduce, which no rank passes before every rank has received all
+    # it was sent: this rank's bytes have left its interface by then.
+    sent = interface_bytes_sent() - sent_before if sent_before is not None else 0
+    payload = sum(nbytes * 2 * (world - 1) / world for nbytes in times) * args.repeats
     lessonlib.report("allreduce", times)
     lessonlib.report("own", own)
+    if sent:  # nothing on loopback alone
+        lessonlib.report("wire", {"sent": sent, "payload": payload})
     compress = {name: time_steps(name, args.steps, rank) for name in args.hooks}
     lessonlib.report("compress", compress)
     if rank == 0:
         for nbytes, s in times.items():
             mib, best = nbytes / 2**20, min(s) * 1e3
             print(f"all-reduce of {mib:g} MiB over {ctx.world_size} ranks: {best:.1f} ms (best of {len(s)})")
+        if sent:
+            print(f"sent on the network: {sent / payload:.3f} bytes per byte of all-reduce payload (rank 0)")
         for name, c in compress.items():
             print(f"DDP step, hook {name}: {c['step'] * 1e3:.1f} ms, {c['bytes'] / 2**20:.2f} MiB all-reduced per rank")
     lessonlib.teardown()

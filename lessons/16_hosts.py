@@ -9,7 +9,9 @@ with a rendezvous on the first host's address (HOST0), for example with two rank
 Chapter 16 does that on the hosts of a lessonlib.Hosts:
     lessonlib.launch("lessons/16_hosts.py", nproc=2, hosts=net)
 
-Options: --pg-timeout S (the process group's bound, start-up included; default 10).
+Options: --pg-timeout S (the process group's bound, start-up included; default 10), --master-addr ADDR
+(a mistake, for chapter 16 to show: set MASTER_ADDR to ADDR before the process group starts, as a script
+that hard-codes MASTER_ADDR=127.0.0.1 does; torchrun's own value is then lost).
 
 Asserted on every rank: the all-reduce of (rank + 1) is W(W+1)/2; the ranks on one host (same hostname)
 are its local ranks 0..L-1; gloo listens on one address, the one its rule gives: GLOO_SOCKET_IFNAME's
@@ -71,7 +73,10 @@ def where_am_i():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--pg-timeout", type=float, default=10.0)
+    parser.add_argument("--master-addr", default=None)
     args = parser.parse_args()
+    if args.master_addr:  # where every rank looks for rank 0's store: right on one host only
+        os.environ["MASTER_ADDR"] = args.master_addr
     ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)
     rank, world = ctx.rank, ctx.world_size
     group_rank = int(os.environ.get("GROUP_RANK", 0))
