@@ -2,7 +2,7 @@
 
 Activation checkpointing under DDP: the bytes autograd keeps for backward, the time recomputing costs.
 
-Options: --width 64 --depth 4 --rows 64 (the model and each rank's batch), --runs 5 (timing), --pg-timeout S.
+Options: --width 256 --depth 4 --rows 128 (the model and each rank's batch), --runs 15 (timing), --pg-timeout S.
 
 The model: `depth` transformer-style MLP blocks (Linear W->4W, GELU, Linear 4W->W, Dropout 0.1), then a
 Linear W->1 head; float32, under DDP. With --checkpoint each block runs inside
@@ -19,12 +19,15 @@ backward but its input, and backward runs it again. Asserted:
   3. Same gradients: after 3 SGD steps the weights are bitwise equal with and without checkpointing,
      dropout included: checkpoint restores the RNG state before recomputing (preserve_rng_state=True).
      With preserve_rng_state=False the recomputed masks differ and the weights do not match (asserted).
-Time per step (forward + backward, median of --runs, the modes interleaved) is reported, not asserted.
+Time (the best of --runs, interleaved: other work on the machine only adds time): a forward + backward in
+each mode, and the plain model's forward alone (graph recorded, as the recompute's is), reported; chapter
+14 bounds the ratio. The default size is large enough for the arithmetic to outweigh checkpoint's fixed
+cost per block. Measured on the 2-core build machine (torch 2.14.1, 2 ranks, quiet): checkpointing added
+1.0 to 1.5 forwards' time to a step at the default size, 2.8 to 4.4 at --width 64 --rows 64.
 """
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
@@ -99,24 +102,27 @@ def saved_bytes(ctx, mode, width, depth, rows):
 
 
 def step_times(ctx, width, depth, rows, runs):
-    """{mode: median ms per forward + backward}, the modes interleaved on every rank (DDP steps together)."""
+    """{mode: best ms per forward + backward, and the forward alone}, the modes interleaved on every rank."""
     models = {mode: DDP(Net(width, depth, mode)) for mode in ("plain", "checkpoint")}
     x, y = data(ctx, rows, width)
-    times = {mode: [] for mode in models}
+    times = {mode: [] for mode in [*models, "forward alone"]}
     for _ in range(runs + 1):  # the first round warms up
         for mode, ddp in models.items():
             start = time.perf_counter()
             F.mse_loss(ddp(x), y).backward()
             times[mode].append(1e3 * (time.perf_counter() - start))
-    return {mode: round(statistics.median(t[1:]), 3) for mode, t in times.items()}
+        start = time.perf_counter()
+        models["plain"].module(x)  # the model's forward, graph recorded as the recompute's is, no DDP, no backward
+        times["forward alone"].append(1e3 * (time.perf_counter() - start))
+    return {mode: round(min(t[1:]), 3) for mode, t in times.items()}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--width", type=int, default=64, choices=range(4, 1025), metavar="4..1024")
+    parser.add_argument("--width", type=int, default=256, choices=range(4, 1025), metavar="4..1024")
     parser.add_argument("--depth", type=int, default=4, choices=range(1, 33), metavar="1..32")
-    parser.add_argument("--rows", type=int, default=64, choices=range(1, 4097), metavar="1..4096")
-    parser.add_argument("--runs", type=int, default=5, choices=range(1, 101), metavar="1..100")
+    parser.add_argument("--rows", type=int, default=128, choices=range(1, 4097), metavar="1..4096")
+    parser.add_argument("--runs", type=int, default=15, choices=range(1, 101), metavar="1..100")
     parser.add_argument("--pg-timeout", type=float, default=30, help="seconds a collective waits")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per rank, as torchrun arranges when it starts several
@@ -157,7 +163,7 @@ def main():
         }
         lessonlib.report("checkpoint", row)
         print(f"activations kept: {kept['plain']} bytes plain, {kept['checkpoint']} with checkpointing")
-        print(f"ms per forward + backward: {ms} (measured here, not asserted)")
+        print(f"ms, best of {args.runs}: {ms} ('forward alone': the plain model's forward, no backward)")
         print(f"preserve_rng_state=False: weights {gap:.1e} away from the run without checkpointing")
     print(f"rank {ctx.rank}: every assertion held at world size {ctx.world_size}")
     lessonlib.teardown()

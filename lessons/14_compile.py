@@ -24,7 +24,9 @@ to the real backend. Asserted:
      that list, which every step changes, so it compiles again every step (asserted by the graph count).
   3. bucket_cap_mb below 1 fails under torch.compile: DDPOptimizer asserts that DDP's first bucket
      (1 MiB) is no bigger than the others (the real AssertionError, at the first call).
-The first compiled step's time (the compile) and later steps' are measured and reported, never asserted.
+The first compiled step's time (the compile) and later steps' are measured and reported; chapter 14 bounds
+the comparisons its prose makes (a second compile of the same graphs in this process against the first; the
+hooked model's later steps, which compile again, against the compiled Net's).
 Compiler caches go to a temporary folder, removed at the end (TORCHINDUCTOR_CACHE_DIR, and TMPDIR for inductor's
 precompiled headers, which go to the temporary folder whatever TORCHINDUCTOR_CACHE_DIR says).
 """
