@@ -7,7 +7,8 @@
 - `plots`: `plot_ranks`, what each rank holds, one row per rank.
 - `scriptdiff`: the Start page's diffs from a one-process script to DDP, then AMP.
 - `glue`: a number the prose states, taken from this execution (MyST-NB's `{glue:text}` role).
-- `ncclmessages`: chapter 12's table of what NCCL prints, checked against the installed torch.
+- `ncclmessages`: chapter 12's table of what NCCL prints and the other torch messages it quotes, each
+  looked up in the installed torch (tests/test_nccl_messages.py).
 
 Nothing is imported here: `lessonlib.panel`, `show_code` and `plot_ranks` import their module on first use.
 """
