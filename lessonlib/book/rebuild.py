@@ -39,8 +39,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..launcher.processes import BOUNDED_VAR, kill_session, marked_environment, marked_processes, sigterm_cleans_up
-from ..launcher.spec import ROOT, find_script
+from ..paths import ROOT, find_script
+from ..processes.bounded import kill_session, marked_environment, sigterm_cleans_up
+from ..processes.marks import marked_processes
 
 LESSON_PATH = re.compile(r"""["']((?:\.\./)?lessons/[\w./-]+\.py)["']""")
 KEY = "lessonlib_dependencies"  # the field of a cache record's data that holds the dependency key
@@ -169,7 +170,7 @@ def stop_executors(executors):
             executor.proc.terminate()
     deadline = time.monotonic() + STOP_GRACE
     try:  # a second SIGTERM during the grace ends the wait, not the kill
-        while time.monotonic() < deadline and any(marked_processes(BOUNDED_VAR, e.mark) for e in executors):
+        while time.monotonic() < deadline and any(marked_processes(e.mark) for e in executors):
             time.sleep(0.2)
     finally:
         for executor in executors:
