@@ -3,7 +3,7 @@
 `check_launch` turns launch's arguments into one frozen LaunchSpec, or raises a ValueError or
 FileNotFoundError that says what was wrong and what is allowed. Only the standard library is needed
 here (torch only to check 'nccl'), so `python -m lessonlib --help` can read the bounds without
-importing the launcher.
+importing `launch` (lessonlib.launcher.core) or psutil.
 """
 
 import os
