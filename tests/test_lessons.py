@@ -76,7 +76,9 @@ BOOK_PANEL = re.compile(
 
 # A plain command a chapter runs as written and asserts on: chapter 11's `run_python("lessons/X.py", ...)`
 # followed by `assert code == 0`, which is the command `python lessons/X.py ...` run from the course root.
-BOOK_PYTHON = re.compile(r'run_python\(\s*"lessons/(\w+)\.py"((?:,\s*"[^"]*")*)\s*\)\n(?:[^\n]*\n){0,3}?assert code == 0\b')
+BOOK_PYTHON = re.compile(
+    r'run_python\(\s*"lessons/(\w+)\.py"((?:,\s*"[^"]*")*)\s*\)\n(?:[^\n]*\n){0,3}?assert code == 0\b'
+)
 
 
 def book_runs():
