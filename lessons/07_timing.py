@@ -9,7 +9,8 @@ same per-rank batches, with SGD on an MSE loss: no communication at all (the flo
 per parameter tensor after backward, one all_reduce on all gradients flattened into one tensor, DDP
 with its default buckets, and DDP with bucket_cap_mb swept. A step is forward + backward + averaging
 + optimizer step, timed after a warm-up (DDP lays out its buckets again after its first iteration);
-each rank starts it at a barrier and the job's time for a step is the slowest rank's. Asserted, not
+each rank starts it at a barrier and the job's time for a step is the slowest rank's. The variants take
+turns, one step each, so that load from elsewhere on the machine falls on all of them alike. Asserted, not
 speed, which depends on the machine: after one step the per-tensor, flat and DDP variants hold the
 same weights, and the all_reduce calls per step are what they must be (one per tensor, one, one per
 DDP bucket, fewer buckets for a bigger cap).
@@ -80,25 +81,37 @@ def variant(name, cap, args, world_size):
     return ddp, lambda: None, calls  # DDP has averaged by the time backward() returns
 
 
-def measure(net, sync, calls, batches, steps):
-    """Median ms per step (the slowest rank's), all_reduce calls per step, and the weights after step 1."""
-    opt, times = torch.optim.SGD(net.parameters(), lr=0.1), []
+def measure(variants, batches, steps):
+    """Per variant: median ms per step (the slowest rank's), all_reduce calls per step, weights after step 1.
+
+    The variants take turns, one step each, in an order that rotates every step: a burst of load from
+    elsewhere on the machine then slows every variant alike instead of the one that happened to be running.
+    """
+    opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net, _, _ in variants]
+    times = torch.zeros(len(variants), len(batches), dtype=torch.float64)
+    after_one = [None] * len(variants)
     for i, (x, y) in enumerate(batches):
-        if i == WARMUP:
-            calls[0] = 0
-        dist.barrier()  # all ranks start the step together
-        start = time.perf_counter()
-        opt.zero_grad()
-        F.mse_loss(net(x), y).backward()
-        sync()
-        opt.step()
-        times.append(time.perf_counter() - start)
-        if i == 0:
-            after_one = torch.cat([p.detach().flatten() for p in net.parameters()])
-    slowest = torch.tensor(times[WARMUP:], dtype=torch.float64)
+        for k in range(len(variants)):
+            v = (i + k) % len(variants)
+            (net, sync, calls), opt = variants[v], opts[v]
+            if i == WARMUP:
+                calls[0] = 0
+            dist.barrier()  # all ranks start the step together
+            start = time.perf_counter()
+            opt.zero_grad()
+            F.mse_loss(net(x), y).backward()
+            sync()
+            opt.step()
+            times[v, i] = time.perf_counter() - start
+            if i == 0:
+                after_one[v] = torch.cat([p.detach().flatten() for p in net.parameters()])
+    slowest = times[:, WARMUP:].contiguous()
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step is over when its slowest rank is done
-    assert calls[0] % steps == 0, f"{calls[0]} all_reduce calls in {steps} steps: not the same every step"
-    return slowest.median().item() * 1e3, calls[0] // steps, after_one
+    results = []
+    for (_, _, calls), row, weights in zip(variants, slowest, after_one):
+        assert calls[0] % steps == 0, f"{calls[0]} all_reduce calls in {steps} steps: not the same every step"
+        results.append((row.median().item() * 1e3, calls[0] // steps, weights))
+    return results
 
 
 def main():
@@ -126,16 +139,11 @@ def main():
     ]
     tensors = 2 * args.layers
 
+    names = [("local", None), ("per-tensor", None), ("flat", None), ("DDP default", None), *[("DDP", c) for c in caps]]
+    measured = measure([variant(name, cap, args, n) for name, cap in names], batches, args.steps)
     rows, weights = [], {}
-    for name, cap in [
-        ("local", None),
-        ("per-tensor", None),
-        ("flat", None),
-        ("DDP default", None),
-        *[("DDP", c) for c in caps],
-    ]:
-        net, sync, calls = variant(name, cap, args, n)
-        ms, per_step, weights[name, cap] = measure(net, sync, calls, batches, args.steps)
+    for (name, cap), (ms, per_step, after_one) in zip(names, measured):
+        weights[name, cap] = after_one
         rows.append(
             {"variant": name, "bucket_cap_mb": cap, "all_reduces_per_step": per_step, "median_ms": round(ms, 3)}
         )
