@@ -110,7 +110,10 @@ def test_with_the_default_shared_store_the_late_hosts_round_hangs_until_read_tim
     timeout = f"DistStoreError: wait timeout after {READ_TIMEOUT * 1000}ms"
     # host1 waits for round 1's MASTER_ADDR, which host0 (rank 0 again, its store kept) never writes;
     # host0 waits for host1's role in round 1, which host1 writes only after that.
-    assert re.search(timeout + r", keys: /torch\.rendezvous\.ch16\.1/MASTER_ADDR", out1), said
+    # host1's own wait ends the same way, unless host0 gave up a moment earlier and took its store along
+    # (which comes first depends on the machine's load).
+    closed = "DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed."
+    assert re.search(timeout + r", keys: /torch\.rendezvous\.ch16\.1/MASTER_ADDR", out1) or closed in out1, said
     assert re.search(timeout + r", keys: /torch\.rendezvous\.ch16\.1/torchelastic/role_info/", out0), said
     assert "steps done" not in out0 + out1, said
     assert READ_TIMEOUT < seconds < READ_TIMEOUT + 30, f"ended {seconds:.1f} s after host1 started\n{said}"
