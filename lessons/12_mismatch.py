@@ -5,7 +5,7 @@ TORCH_DISTRIBUTED_DEBUG=DETAIL names the difference.
 
 Options: --bug shapes or --bug order (make the mistake; default: none), --pg-timeout S (default 30).
 Run with TORCH_DISTRIBUTED_DEBUG=DETAIL in the environment to have every collective checked across ranks.
---time-calls N: then time N all-reduces of one number, and report the mean time per call (what DETAIL costs).
+--time-calls N: first time N all-reduces of one number, and report the mean time per call (what DETAIL costs).
 
 Each rank holds the predictions for its share of an evaluation set and all-reduces a summary of them.
 --bug shapes: each rank all-reduces its raw predictions, and the shares differ in length when the set does not
@@ -75,6 +75,10 @@ def main():
     parser.add_argument("--time-calls", type=int, default=0, choices=range(0, 100_001), metavar="0..100000")
     args = parser.parse_args()
     ctx = lessonlib.setup(device="cpu", timeout=args.pg_timeout)
+    if args.time_calls:  # before any mistake, while every rank calls the same collectives
+        per_call = time_calls(args.time_calls)
+        lessonlib.report("per_call", per_call)
+        print(f"rank {ctx.rank}: {per_call * 1e6:.0f} us per all-reduce of one number")
     got = summarize(ctx, args.bug)
     every = [predictions(r) for r in range(ctx.world_size)]
     lessonlib.report("got", got.tolist())
@@ -84,10 +88,6 @@ def main():
         assert got.tolist() == want, f"rank {ctx.rank}: got {got.tolist()}, expected {want}"
         if ctx.is_main:
             print(f"mean prediction over all {want[1]:g}: {want[0] / want[1]:.4f}")
-    if args.time_calls:
-        per_call = time_calls(args.time_calls)
-        lessonlib.report("per_call", per_call)
-        print(f"rank {ctx.rank}: {per_call * 1e6:.0f} us per all-reduce of one number")
     lessonlib.teardown()
 
 

@@ -107,11 +107,11 @@ def test_a_failing_node_makes_slurm_end_the_waiting_one_and_without_the_option_i
 @GROUP
 @pytest.mark.timeout(300)
 def test_requeue_sbatch_comes_back_after_a_real_preemption_and_resumes_exactly(cluster):
-    """Partition `urgent` may preempt `batch` (PreemptMode=REQUEUE, GraceTime 10 s), as in the chapter. The
+    """Partition `urgent` may preempt `batch` (PreemptMode=REQUEUE, GraceTime 30 s), as in the chapter. The
     script gets no signal; the ranks get SIGTERM and save; the script sees PreemptTime and requeues."""
     conf = cluster.conf.read_text()
     batch = next(line for line in conf.splitlines() if line.startswith("PartitionName=batch"))
-    conf = conf.replace(batch, f"{batch} PriorityTier=1 GraceTime=10")
+    conf = conf.replace(batch, f"{batch} PriorityTier=1 GraceTime=30")
     conf += "PreemptType=preempt/partition_prio\nPreemptMode=REQUEUE\n"
     conf += "PartitionName=urgent Nodes=node1,node2 PriorityTier=2 PreemptMode=OFF\n"
     cluster.conf.write_text(conf)

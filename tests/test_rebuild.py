@@ -7,6 +7,7 @@ import json
 import re
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,63 @@ def test_a_chapter_that_uses_lessonlib_depends_on_all_of_it():
     assert ROOT / "lessons" / "02_collectives.py" in found
     plain = json.dumps({"cells": [{"cell_type": "code", "source": "print(1)", "metadata": {}, "outputs": []}]})
     assert dependencies(plain, ROOT / "book") == []
+
+
+@pytest.mark.unit
+def test_a_chapter_that_mostly_waits_takes_part_of_a_slot():
+    """A chapter's share of an execution slot is the cores it kept busy last time over a slot's cores,
+    from MIN_SHARE to 1 (1 when it never ran); chapters start in their order while the running ones' shares
+    leave room, so a waiting chapter runs beside two computing ones on two slots, and two computing ones
+    never run beside each other's third."""
+    from lessonlib.book.rebuild import MIN_SHARE, Stale, next_to_start, share
+
+    def stale(seconds, cpu):
+        return Stale(path=Path("x.ipynb"), key="", last_seconds=seconds, last_cpu_seconds=cpu)
+
+    assert share(stale(None, None), jobs=2, cpus=2) == 1.0  # never ran: a whole slot
+    assert share(stale(100.0, None), jobs=2, cpus=2) == 1.0  # a record without CPU seconds
+    assert share(stale(100.0, 180.0), jobs=2, cpus=2) == 1.0  # 1.8 cores busy: at most a slot
+    assert share(stale(100.0, 40.0), jobs=2, cpus=2) == 0.4  # 0.4 of a core, a slot being one core
+    assert share(stale(100.0, 40.0), jobs=2, cpus=8) == 0.1 * 2.5 == MIN_SHARE  # a slot of 4 cores
+    assert share(stale(100.0, 1.0), jobs=2, cpus=2) == MIN_SHARE
+
+    shares = {"wait_a": 0.4, "wait_b": 0.3, "busy_a": 1.0, "busy_b": 1.0, "busy_c": 1.0}
+    order = ["wait_a", "busy_a", "busy_b", "wait_b", "busy_c"]  # longest first
+    running, started = [], []
+    while (path := next_to_start([p for p in order if p not in started], running, 2, shares)) is not None:
+        started.append(path)
+        running.append(path)
+    # wait_a (0.4) and busy_a (1.0) leave 0.6: busy_b does not fit, wait_b (0.3) does.
+    assert running == ["wait_a", "busy_a", "wait_b"], running
+    running.remove("wait_a")  # 1.3 running: still no room for a whole slot
+    assert next_to_start(["busy_b", "busy_c"], running, 2, shares) is None
+    running.remove("wait_b")
+    assert next_to_start(["busy_b", "busy_c"], running, 2, shares) == "busy_b"
+    # Without shares, `jobs` at a time in their order, as before; nothing running starts the first whatever its share.
+    assert next_to_start(["a", "b"], ["c"], 2, {}) == "a" and next_to_start(["a"], ["b", "c"], 2, {}) is None
+    assert next_to_start(["big"], [], 1, {"big": 1.0}) == "big"
+    # However small the shares, at most 2 * jobs at once.
+    tiny = {name: MIN_SHARE for name in "abcdef"}
+    assert next_to_start(["e", "f"], ["a", "b", "c", "d"], 2, tiny) is None
+
+
+@pytest.mark.timeout(120)
+def test_an_executor_is_reaped_with_its_descendants_cpu_seconds(tmp_path):
+    """_reap: None while the process runs; after it ends, its exit status on the Popen and the CPU seconds
+    of it and of the child it waited for (a busy child here: its seconds must be counted)."""
+    import subprocess
+
+    from lessonlib.book.rebuild import _reap
+
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
+    parent = (
+        f"import subprocess, sys, time\ntime.sleep(0.5)\nsubprocess.run([sys.executable, '-c', {busy!r}])\nsys.exit(3)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    assert _reap(proc) is None
+    deadline = time.monotonic() + 60
+    while (cpu := _reap(proc)) is None:
+        assert time.monotonic() < deadline, "the process did not end in 60 s"
+        time.sleep(0.05)
+    assert proc.returncode == 3 and proc.poll() == 3 and proc.wait() == 3
+    assert cpu >= 0.5, cpu

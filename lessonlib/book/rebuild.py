@@ -17,11 +17,20 @@ closes that gap, in two steps:
   (lessonlib.book._execute_notebook), each bounded (BOOK_CHAPTER_TIMEOUT seconds, default 2400), and
   cached. MyST-NB then finds every chapter in the cache and only renders it.
 
+The chapters start longest first, and a chapter that mostly waits (on timeouts, on Slurm) takes only
+part of an execution slot: its share is the cores it kept busy last time (CPU seconds per second, its
+kernel's launches, their ranks and its Slurm jobs included) over a slot's cores, from MIN_SHARE to 1,
+and chapters start while the running ones' shares leave room, so waiting chapters overlap computing
+ones. Last time is the chapter's cache record, or, in a cold build, COSTS: each chapter's seconds and
+CPU seconds in a measured build (`python -m lessonlib.book.rebuild _build/lessonlib-execution.json`
+rewrites it from that build's report).
+
 So a cold `jupyter-book build book` executes the chapters side by side; a rebuild with nothing changed
 executes nothing; a lesson or lessonlib edit re-executes exactly the chapters that use it. A chapter
 that fails stops the build with its notebook, cell and error named (a LaunchError names the rank);
-the chapters that succeeded stay cached. Each build leaves what it executed, and in how long, in
-`_build/lessonlib-execution.json`. With `execute_notebooks: force` or `off` only the first step runs.
+the chapters that succeeded stay cached. Each build leaves what it executed, in how long and with how
+many CPU seconds, in `_build/lessonlib-execution.json`. With `execute_notebooks: force` or `off` only
+the first step runs.
 
 Enabled in _config.yml (`sphinx: config: extensions`).
 """
@@ -39,14 +48,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from ..paths import ROOT, find_script
 from ..processes.bounded import kill_session, marked_environment, sigterm_cleans_up
-from ..processes.marks import marked_processes
+from ..processes.marks import marked_processes, marks_of
 
 LESSON_PATH = re.compile(r"""["']((?:\.\./)?lessons/[\w./-]+\.py)["']""")
 KEY = "lessonlib_dependencies"  # the field of a cache record's data that holds the dependency key
 REPORT = "lessonlib-execution.json"  # written next to the HTML folder, in _build/
 DEFAULT_CHAPTER_TIMEOUT = 2400  # seconds for one chapter, all its cells: a bound against a hang
+COSTS = Path(__file__).with_name("costs.json")  # each chapter's seconds and CPU seconds, for a cold build
+MIN_SHARE = 0.25  # the least part of an execution slot a chapter takes, however little CPU it used
+SAMPLE_EVERY = 2.0  # seconds between two looks at the CPU seconds of each executor's marked processes
 
 
 def dependencies(notebook_text, folder):
@@ -114,11 +128,13 @@ def describe_failure(path, log):
 
 @dataclass(kw_only=True)
 class Execution:
-    """What execute_notebooks did, by notebook path: how long each took, how each failed, where each
-    executed copy is (in `scratch`, a temporary folder the caller removes), each one's slowest cells."""
+    """What execute_notebooks did, by notebook path: how long each took and its CPU seconds, how each
+    failed, where each executed copy is (in `scratch`, a temporary folder the caller removes), each
+    one's slowest cells."""
 
     scratch: Path
     seconds: dict = field(default_factory=dict)
+    cpu_seconds: dict = field(default_factory=dict)
     failures: dict = field(default_factory=dict)
     executed: dict = field(default_factory=dict)
     slowest: dict = field(default_factory=dict)
@@ -136,16 +152,17 @@ class _Executor:
     started: float
 
 
-def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print):
-    """Execute the notebooks, `jobs` at a time, each in a process (and session) of its own, bounded;
-    returns an Execution. If this raises, or the build is sent SIGTERM, every executor still running
+def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print, shares=None):
+    """Execute the notebooks in `jobs` slots, in their order, each in a process (and session) of its own,
+    bounded; returns an Execution. A notebook takes `shares[path]` of a slot (default 1: `jobs` at a
+    time); see next_to_start. If this raises, or the build is sent SIGTERM, every executor still running
     is stopped (stop_executors: SIGTERM, then after STOP_GRACE killed) with everything it started (its
     kernel, the kernel's launches), and the scratch folder is removed here."""
     done = Execution(scratch=Path(tempfile.mkdtemp(prefix="lessonlib-book-")))
     running = {}  # {path: _Executor}
     with sigterm_cleans_up():  # SIGTERM unwinds to the `except` below before the build ends
         try:
-            _execute_all(list(paths), running, done, cell_timeout, jobs, timeout, log)
+            _execute_all(list(paths), running, done, cell_timeout, jobs, timeout, log, shares or {})
         except BaseException:
             stop_executors(running.values())
             shutil.rmtree(done.scratch, ignore_errors=True)
@@ -178,15 +195,64 @@ def stop_executors(executors):
             executor.log.close()
 
 
-def _execute_all(pending, running, done, cell_timeout, jobs, timeout, log):
-    """execute_notebooks' loop: start executors up to `jobs`, collect each as it ends or runs late."""
+def next_to_start(pending, running, jobs, shares):
+    """The notebook to start now, or None: the first of `pending` whose share (`shares`, default 1) fits in
+    what the `running` ones' shares leave of `jobs` slots; the first of all when nothing runs. At most
+    2 * jobs at once, however small their shares (each holds a kernel, its launches, their memory)."""
+    if not pending:
+        return None
+    if not running:
+        return pending[0]
+    if len(running) >= 2 * jobs:
+        return None
+    free = jobs - sum(shares.get(path, 1.0) for path in running)
+    return next((path for path in pending if shares.get(path, 1.0) <= free + 1e-9), None)
+
+
+def _sample(marks, seen):
+    """Note the CPU seconds so far of every live process that carries one of `marks` (an executor's mark,
+    which every process it starts inherits, a Slurm job's too): seen[mark][(pid, start time)] = seconds."""
+    for proc in psutil.process_iter():
+        try:
+            for mark in set(marks_of(proc.environ())) & marks:
+                times = proc.cpu_times()
+                seen.setdefault(mark, {})[proc.pid, proc.create_time()] = times.user + times.system
+        except (psutil.Error, OSError):
+            pass
+
+
+def _reap(proc):
+    """None while `proc` runs. Once it has ended: reap it, and return its CPU seconds with those of every
+    process it or its descendants waited for (an executor's kernel, the kernel's launches, their ranks)."""
+    try:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+    except ChildProcessError:  # reaped already (by Popen)
+        return None if proc.poll() is None else 0.0
+    if pid == 0:
+        return None
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _execute_all(pending, running, done, cell_timeout, jobs, timeout, log, shares):
+    """execute_notebooks' loop: start executors while their shares fit in `jobs` slots, collect each as it
+    ends or runs late. An executor's CPU seconds are the larger of two counts that each miss some: its
+    wait status's (itself and every process it or a descendant waited for; not a Slurm job's, whose
+    processes the cluster's daemons start) and the sum over its marked processes, looked at every
+    SAMPLE_EVERY seconds (not what a process did after the last look)."""
+    seen, sampled = {}, 0.0
     while pending or running:
-        while pending and len(running) < jobs:
-            path = pending.pop(0)
-            running[path] = _start(path, done, len(done.executed) + len(running) + len(done.failures), cell_timeout)
+        if time.monotonic() - sampled >= SAMPLE_EVERY:
+            _sample({e.mark for e in running.values()}, seen)
+            sampled = time.monotonic()
+        while (path := next_to_start(pending, running, jobs, shares)) is not None:
+            pending.remove(path)
+            number = len(done.executed) + len(running) + len(done.failures)
+            running[path] = _start(path, done, number, cell_timeout)
         for path, executor in list(running.items()):
             late = time.monotonic() - executor.started > timeout
-            if executor.proc.poll() is None and not late:
+            cpu = _reap(executor.proc)
+            if cpu is None and not late:
                 continue
             kill_session(executor.proc, executor.mark)  # a late executor, or what a finished one left
             executor.log.seek(0)
@@ -200,8 +266,11 @@ def _execute_all(pending, running, done, cell_timeout, jobs, timeout, log):
             else:
                 report = json.loads(text.strip().splitlines()[-1])
                 done.seconds[path], done.slowest[path] = report["seconds"], report.get("slowest", [])
+                done.cpu_seconds[path] = round(max(cpu, sum(seen.pop(executor.mark, {}).values())), 1)
                 done.executed[path] = executor.out
             said = f"executed in {done.seconds[path]} s" if path in done.seconds else "FAILED"
+            if path in done.cpu_seconds:
+                said += f", {done.cpu_seconds[path]} CPU-seconds"
             log(f"lessonlib.book.rebuild: {path.name}: {said}")
         time.sleep(0.2)
 
@@ -236,15 +305,34 @@ class Stale:
 
     path: Path
     key: str  # dependency_key of what it depends on now
-    last_seconds: float | None  # how long it took last time, if it ever ran
+    last_seconds: float | None  # how long it took last time, if it ever ran (its cache record, else COSTS)
+    last_cpu_seconds: float | None = None  # and its CPU seconds then
+
+
+def costs():
+    """COSTS: {notebook file name: {"seconds": S, "cpu_seconds": C}}, or {} without the file."""
+    try:
+        return json.loads(COSTS.read_text())["chapters"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def share(stale, jobs, cpus=None):
+    """The part of an execution slot a notebook takes: the cores it kept busy last time (CPU seconds per
+    second) over a slot's cores (the CPUs over `jobs`, at least 1), from MIN_SHARE to 1; 1 if unknown."""
+    if not stale.last_seconds or stale.last_cpu_seconds is None:
+        return 1.0
+    per_slot = max(1.0, (cpus or os.cpu_count() or 1) / jobs)
+    return round(min(1.0, max(MIN_SHARE, stale.last_cpu_seconds / stale.last_seconds / per_slot)), 2)
 
 
 def find_stale(cache, env, docnames):
-    """The notebooks among `docnames` to execute, longest first (last time's duration, else ten
-    seconds per launch), so that the longest does not start last. A cache record made from other
-    dependencies is removed here: MyST-NB must never render it."""
+    """The notebooks among `docnames` to execute, longest first (last time's duration, from the cache
+    record, else COSTS, else ten seconds per launch), so that the longest does not start last. A cache
+    record made from other dependencies is removed here: MyST-NB must never render it."""
     import nbformat
 
+    known = costs()
     stale = []
     for docname in docnames:
         path = Path(env.doc2path(docname))
@@ -260,7 +348,10 @@ def find_stale(cache, env, docnames):
             continue
         if record is not None:
             cache.remove_cache(record.pk)
-        stale.append(Stale(path=path, key=key, last_seconds=record.data.get("execution_seconds") if record else None))
+        last = record.data if record is not None and "execution_seconds" in record.data else {}
+        seconds = last.get("execution_seconds", known.get(path.name, {}).get("seconds"))
+        cpu = last.get("execution_cpu_seconds") if last else known.get(path.name, {}).get("cpu_seconds")
+        stale.append(Stale(path=path, key=key, last_seconds=seconds, last_cpu_seconds=cpu))
     return sorted(stale, key=lambda s: -(s.last_seconds if s.last_seconds is not None else 10 * _launches(s.path)))
 
 
@@ -273,6 +364,8 @@ def cache_executed(cache, stale, done):
     try:
         for path, out in done.executed.items():
             data = {"execution_seconds": done.seconds[path], KEY: keys[path]}
+            if path in done.cpu_seconds:
+                data["execution_cpu_seconds"] = done.cpu_seconds[path]
             bundle = CacheBundleIn(nbformat.read(out, as_version=4), str(path), data=data)
             cache.cache_notebook_bundle(bundle, check_validity=False, overwrite=True)
     finally:
@@ -287,6 +380,7 @@ def report(jobs, seconds, done):
         "jobs": jobs,
         "seconds": round(seconds, 1),
         "executed": {str(p): s for p, s in done.seconds.items()},
+        "cpu_seconds": {str(p): s for p, s in done.cpu_seconds.items()},
         "slowest_cells": {str(p): cells for p, cells in done.slowest.items()},
         "failures": {str(p): f for p, f in done.failures.items()},
     }
@@ -307,10 +401,11 @@ def _execute_stale(app, env, docnames):
     n, done, started = 0, None, time.monotonic()
     if stale:
         n = min(jobs(), len(stale))
-        names = ", ".join(s.path.name for s in stale)
-        logger.info(f"lessonlib.book.rebuild: executing {len(stale)} notebook(s), {n} at a time: {names}")
+        shares = {s.path: share(s, n) for s in stale}
+        names = ", ".join(s.path.name + (f" ({shares[s.path]} of a slot)" if shares[s.path] < 1 else "") for s in stale)
+        logger.info(f"lessonlib.book.rebuild: executing {len(stale)} notebook(s) in {n} slots: {names}")
         paths = [s.path for s in stale]
-        done = execute_notebooks(paths, config.execution_timeout, n, chapter_timeout(), log=logger.info)
+        done = execute_notebooks(paths, config.execution_timeout, n, chapter_timeout(), logger.info, shares)
         cache_executed(cache, stale, done)
     written = report(n, time.monotonic() - started, done)
     Path(app.outdir).parent.joinpath(REPORT).write_text(json.dumps(written, indent=1))
@@ -329,7 +424,25 @@ def _launches(path):
     return sum(text.count(f"{name}(") for name in ("launch", "check_function", "panel", "sbatch"))
 
 
+def write_costs(report_path, path=COSTS):
+    """Rewrite COSTS from a build's report (_build/lessonlib-execution.json): each executed chapter's
+    seconds and CPU seconds, beside those of chapters that build did not execute."""
+    report = json.loads(Path(report_path).read_text())
+    chapters = costs() if path == COSTS else {}
+    for name, seconds in report["executed"].items():
+        cpu = report.get("cpu_seconds", {}).get(name)
+        chapters[Path(name).name] = {"seconds": seconds, "cpu_seconds": cpu}
+    about = (
+        "Each chapter's seconds and CPU seconds in a measured build: lessonlib.book.rebuild's plan for a cold build."
+    )
+    path.write_text(json.dumps({"about": about, "chapters": dict(sorted(chapters.items()))}, indent=1) + "\n")
+
+
 def setup(app):
     app.connect("source-read", _note)
     app.connect("env-before-read-docs", _execute_stale)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
+
+
+if __name__ == "__main__":
+    write_costs(sys.argv[1])
