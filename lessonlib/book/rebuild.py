@@ -241,7 +241,7 @@ def _execute_all(pending, running, done, cell_timeout, jobs, timeout, log, share
     SAMPLE_EVERY seconds (not what a process did after the last look)."""
     seen, sampled = {}, 0.0
     while pending or running:
-        if time.monotonic() - sampled >= SAMPLE_EVERY:
+        if running and time.monotonic() - sampled >= SAMPLE_EVERY:
             _sample({e.mark for e in running.values()}, seen)
             sampled = time.monotonic()
         while (path := next_to_start(pending, running, jobs, shares)) is not None:
