@@ -206,3 +206,18 @@ def test_an_executor_is_reaped_with_its_descendants_cpu_seconds(tmp_path):
         time.sleep(0.05)
     assert proc.returncode == 3 and proc.poll() == 3 and proc.wait() == 3
     assert cpu >= 0.5, cpu
+
+
+@pytest.mark.unit
+def test_a_cold_build_knows_every_chapter_from_costs():
+    """lessonlib/book/costs.json (a measured build's seconds and CPU seconds, what a cold build orders and
+    shares the chapters by) names every notebook of the book and nothing else, each with both numbers."""
+    from lessonlib.book.rebuild import costs
+
+    toc = (ROOT / "book" / "_toc.yml").read_text()
+    notebooks = {
+        f"{name}.ipynb" for name in re.findall(r"file: (\S+)", toc) if (ROOT / "book" / f"{name}.ipynb").exists()
+    }
+    known = costs()
+    assert set(known) == notebooks, f"missing: {notebooks - set(known)}; not in the book: {set(known) - notebooks}"
+    assert all(c["seconds"] > 0 and c["cpu_seconds"] > 0 for c in known.values()), known

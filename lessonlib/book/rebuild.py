@@ -242,7 +242,7 @@ def _execute_all(pending, running, done, cell_timeout, jobs, timeout, log, share
     SAMPLE_EVERY seconds (not what a process did after the last look)."""
     seen, sampled = {}, 0.0
     while pending or running:
-        if time.monotonic() - sampled >= SAMPLE_EVERY:
+        if running and time.monotonic() - sampled >= SAMPLE_EVERY:
             _sample({e.mark for e in running.values()}, seen)
             sampled = time.monotonic()
         while (path := next_to_start(pending, running, jobs, shares)) is not None:
@@ -432,10 +432,9 @@ def write_costs(report_path, path=COSTS):
     for name, seconds in report["executed"].items():
         cpu = report.get("cpu_seconds", {}).get(name)
         chapters[Path(name).name] = {"seconds": seconds, "cpu_seconds": cpu}
-    about = (
-        "Each chapter's seconds and CPU seconds in a measured build: lessonlib.book.rebuild's plan for a cold build."
-    )
-    path.write_text(json.dumps({"about": about, "chapters": dict(sorted(chapters.items()))}, indent=1) + "\n")
+    about = "Each chapter's seconds and CPU seconds in a measured build: lessonlib.book.rebuild's plan for a cold build"
+    rows = ",\n".join(f"  {json.dumps(name)}: {json.dumps(cost)}" for name, cost in sorted(chapters.items()))
+    path.write_text(f'{{\n "about": {json.dumps(about)},\n "chapters": {{\n{rows}\n }}\n}}\n')
 
 
 def setup(app):
