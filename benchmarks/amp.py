@@ -20,10 +20,10 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing lessonlib
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lessonlib, installed or not
 
 import lessonlib  # noqa: E402
+from lessonlib import ROOT  # noqa: E402
 
 SCRIPT = ROOT / "lessons" / "08_speed_memory.py"
 RUN_TIMEOUT = 600  # seconds; float16 on a CPU without native float16 matmuls is slow at large sizes

@@ -25,9 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from lessonlib.launcher.processes import run_bounded
+from lessonlib import ROOT, run_bounded
 
-ROOT = Path(__file__).resolve().parent.parent
 JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
 BUILD_TIMEOUT = 3600  # seconds for one build: a bound against a hang (a cold build takes ~15 min on 2 cores)
 

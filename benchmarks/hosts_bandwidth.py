@@ -28,11 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing lessonlib
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lessonlib, installed or not
 
 import lessonlib  # noqa: E402
-from lessonlib.launcher.hosts import MAX_HOSTS, MAX_RATE, MIN_HOSTS, MIN_RATE, unavailable  # noqa: E402
+from lessonlib import ROOT  # noqa: E402
+from lessonlib.cluster.hosts import MAX_HOSTS, MAX_RATE, MIN_HOSTS, MIN_RATE, unavailable  # noqa: E402
 
 SKIPPED = 77  # exit status: nothing measured, and why is on stderr
 LESSON = ROOT / "lessons/16_bandwidth.py"

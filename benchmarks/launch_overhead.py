@@ -1,11 +1,11 @@
 """python benchmarks/launch_overhead.py [--runs 7] [--no-check]
 
 How much slower is `lessonlib.launch` than bare torchrun on the same trivial 2-rank job, and how many
-CPU-seconds do its forked ranks (lessonlib.launcher._forkrank) save?
+CPU-seconds do its forked ranks (lessonlib.launcher.fastpath.forkrank) save?
 
 All run benchmarks/trivial_allreduce.py (setup, one all_reduce, teardown) with 2 ranks:
   launch: lessonlib.launch(script, nproc=2, show="none")  (per-rank capture, stack dumps, leak scan;
-          ranks forked from the agent where lessonlib.launcher._forkrank applies)
+          ranks forked from the agent where lessonlib.launcher.fastpath.forkrank applies)
   fresh:  the same with LESSONLIB_FRESH_RANKS=1: every rank a fresh `python`, as torchrun starts them
   bare:   python -m torch.distributed.run --standalone --nproc-per-node=2 script, output to /dev/null
 They alternate (launch, fresh, bare, launch, ...) so that drift in the machine's load hits all alike,
@@ -27,10 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing lessonlib
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lessonlib, installed or not
 
 import lessonlib  # noqa: E402
+from lessonlib import ROOT  # noqa: E402
 
 SCRIPT = ROOT / "benchmarks" / "trivial_allreduce.py"
 NPROC = 2
@@ -40,7 +40,7 @@ RUN_TIMEOUT = 120  # seconds; one run takes a few
 def cpu_seconds():
     """CPU-seconds used so far by the whole machine (/proc/stat: every CPU's user, nice, system, irq and
     softirq time), or by this process's waited-for children where /proc/stat is missing. Machine-wide,
-    because a launch's agent is forked from the launcher's agent server (lessonlib.launcher._agentserver), whose
+    because a launch's agent is forked from the launcher's agent server (lessonlib.launcher.fastpath.agentserver), whose
     children this process never waits for: run the benchmark on a quiet machine."""
     try:
         with open("/proc/stat") as f:

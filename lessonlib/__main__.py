@@ -1,8 +1,8 @@
-"""`python -m lessonlib run LESSON [-n N] [-- options]` and `python -m lessonlib list` (launcher/terminal.py)."""
+"""`python -m lessonlib run LESSON [-n N] [-- options]` and `python -m lessonlib list` (lessonlib/cli/main.py)."""
 
 import sys
 
-from lessonlib.launcher.terminal import main
+from lessonlib.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .launcher import _runfolder as runfolder
+from .launcher import runfolder
 
 DEFAULT_TIMEOUT = 30.0  # seconds; setup(timeout=...) overrides it
 

@@ -66,9 +66,9 @@ def load_function(path, name):
 def load_lesson(stem):
     """Another lesson of the course as a module, its classes and functions, without running its main()
     (chapter 15's lessons build on each other's classes). `stem` is the file's name without `.py`."""
-    from .launcher.spec import ROOT
+    from .paths import LESSONS
 
-    path = ROOT / "lessons" / f"{stem}.py"
+    path = LESSONS / f"{stem}.py"
     if not path.is_file():
         raise FileNotFoundError(f"no lesson {stem!r}: {path} does not exist")
     return _module_from(path, stem)

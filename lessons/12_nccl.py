@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python lessons/12_nccl.py` from a checkout with no install
     sys.path.insert(0, str(ROOT))
 
-from lessonlib.launcher.processes import run_bounded  # noqa: E402 (after the path fix above)
+from lessonlib import run_bounded  # noqa: E402 (after the path fix above)
 
 TIMEOUT = 5  # seconds: the process group's timeout in the cases that time out
 SLEEP = 20  # seconds the GPU kernel sleeps before the all-reduce: far past TIMEOUT

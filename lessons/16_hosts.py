@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import lessonlib
-from lessonlib.launcher.hosts import own_tcp_sockets
+from lessonlib.sockets import own_tcp_sockets
 
 WILDCARD = ("0.0.0.0", "::")
 SIOCGIFADDR = 0x8915  # Linux: an interface's address

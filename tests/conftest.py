@@ -19,10 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lessonlib.launcher._runfolder import RUN_ID_VAR
-from lessonlib.launcher.processes import BOUNDED_VAR, kill_all, marked_processes
+from lessonlib import ROOT
+from lessonlib.processes.marks import kill_all, marked_processes, marks_of
 
-ROOT = Path(__file__).resolve().parent.parent
 HELPERS = ROOT / "tests" / "helpers"  # the scripts tests launch as ranks, each with a docstring
 
 
@@ -33,7 +32,9 @@ def line_of(script, text):
     return hits[0]
 
 
-SESSION_VAR = "COURSE_TESTS_SESSION"  # not LESSONLIB_*: that prefix is the launcher's own
+# The tests' own mark, apart from lessonlib's (lessonlib.processes.marks), which it is here to check: a
+# process is this session's whether or not a launch or a bounded command marked it.
+SESSION_VAR = "COURSE_TESTS_SESSION"  # not LESSONLIB_*: that prefix is lessonlib's own
 # Set at import, before any test spawns, and always anew: under pytest-xdist each worker process gets
 # an id of its own, so one worker never mistakes another worker's running launch for a leak.
 SESSION_ID = uuid.uuid4().hex
@@ -54,7 +55,7 @@ def _is_ours(proc, me):
 def _looks_like_launch(proc):
     try:
         environ = proc.environ()
-        if RUN_ID_VAR in environ or BOUNDED_VAR in environ:  # a launch's, or a run_bounded command's
+        if marks_of(environ):  # a launch's, or a run_bounded command's
             return True
         cmdline = " ".join(proc.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
@@ -86,7 +87,11 @@ def _describe(proc):
 
 
 # Shared with the launcher: every test finds and kills processes by a marker the same way it does.
-processes_with_env = marked_processes
+def processes_with_env(var, value):
+    """Live processes (not this one) whose environment has `var` set to `value` (or to a list holding it)."""
+    return marked_processes(value, var=var)
+
+
 kill_processes = kill_all
 
 

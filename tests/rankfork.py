@@ -29,18 +29,18 @@ import signal
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
 import lessonlib
+from lessonlib import ROOT
 from lessonlib.launcher.core import _environment as launch_environment
-from lessonlib.launcher.processes import RankWatch, dump_stacks_then_kill, run_bounded
+from lessonlib.launcher.request import TORCHRUN_ENV, check_launch
 from lessonlib.launcher.result import Ending, read_result
-from lessonlib.launcher.spec import TORCHRUN_ENV, check_launch
+from lessonlib.launcher.watch import RankWatch, dump_stacks_then_kill
+from lessonlib.processes.bounded import run_bounded
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = Path(HERE).parent
 TIMEOUT = 180  # seconds per run: a 2-core machine under load
 PRELOAD = "rankfork_preload"  # what the fork server imports once, before it forks any rank
 

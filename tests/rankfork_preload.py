@@ -25,7 +25,7 @@ import torchmetrics  # noqa: E402,F401
 import torchvision.transforms.v2  # noqa: E402,F401
 import tqdm  # noqa: E402,F401
 
-# Last: every object so far moves out of the garbage collector's reach, as lessonlib.launcher._forkrank does in
+# Last: every object so far moves out of the garbage collector's reach, as lessonlib.launcher.fastpath.forkrank does in
 # the agent. A rank's collections then never visit the server's objects, so they never write to (and
 # make the rank copy) the pages those objects live on: measured, a four-rank run of a script that only
 # joins and leaves the group took 2.6 CPU-seconds without this and 0.65 with it.

@@ -1,25 +1,24 @@
-"""lessonlib.launcher._agentserver: a launch forks its torchrun agent from one server per launching process, which
-has imported torch once; a launch with an environment of its own gets a fresh agent; the server ends with
-the process that started it. (A killed kernel's server, agent and ranks: tests/test_faults.py.)"""
+"""lessonlib.launcher.fastpath.agentserver: a launch forks its torchrun agent from one server per launching
+process, which has imported torch once; a launch with an environment of its own gets a fresh agent; the
+server ends with the process that started it. (A killed kernel's server, agent and ranks: tests/test_faults.py.)"""
 
 import os
 import re
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
 import lessonlib
 from conftest import HELPERS
-from lessonlib.launcher import _forkrank
-from lessonlib.launcher.processes import marked_processes
-
-ROOT = Path(__file__).resolve().parent.parent
+from lessonlib import ROOT
+from lessonlib.launcher.fastpath import forkrank
+from lessonlib.launcher.fastpath.agentserver import SERVER_MODULE
+from lessonlib.processes.marks import marked_processes
 
 pytestmark = pytest.mark.skipif(
-    not (_forkrank.wanted({}) and sys.platform.startswith("linux")),
+    not (forkrank.wanted({}) and sys.platform.startswith("linux")),
     reason="agents are forked only where ranks are (Linux, no NVIDIA devices, LESSONLIB_FRESH_RANKS unset)",
 )
 
@@ -32,14 +31,14 @@ def lineage(run):
 
 
 def test_launches_fork_their_agents_from_one_server(monkeypatch):
-    monkeypatch.delenv(_forkrank.FRESH_VAR, raising=False)
+    monkeypatch.delenv(forkrank.FRESH_VAR, raising=False)
     script = LINEAGE
     runs = [lineage(lessonlib.launch(script, nproc=2, timeout=120, show="none")) for _ in range(2)]
     servers = set()
     for lines in runs:
         agent, server, agent_cmd, server_cmd = re.match(r"(\d+) (\d+) (.*) \| (.*)", lines[0]).groups()
         assert lines[1] == lines[0], "both ranks share one agent"
-        assert "lessonlib.launcher._agentserver" in agent_cmd and "lessonlib.launcher._agentserver" in server_cmd, lines
+        assert SERVER_MODULE in agent_cmd and SERVER_MODULE in server_cmd, lines
         servers.add(int(server))
     assert len(servers) == 1, f"each launch started a server of its own: {runs}"
     assert runs[0] != runs[1], "the two launches had one agent"
@@ -49,7 +48,7 @@ def test_a_launch_with_an_environment_of_its_own_gets_a_fresh_agent():
     script = LINEAGE
     lines = lineage(lessonlib.launch(script, nproc=2, timeout=120, show="none", env={"SOME_SETTING": "1"}))
     agent_cmd, parent_cmd = re.match(r"\d+ \d+ (.*) \| (.*)", lines[0]).groups()
-    assert "lessonlib.launcher._agent_main" in agent_cmd and "lessonlib.launcher._agentserver" not in parent_cmd, lines
+    assert "lessonlib.launcher._agent_main" in agent_cmd and SERVER_MODULE not in parent_cmd, lines
 
 
 def test_the_forked_agent_prints_what_a_fresh_one_does(tmp_path, monkeypatch):
@@ -59,7 +58,7 @@ def test_the_forked_agent_prints_what_a_fresh_one_does(tmp_path, monkeypatch):
     outputs = {}
     for fresh in (False, True):
         if fresh:
-            monkeypatch.setenv(_forkrank.FRESH_VAR, "1")
+            monkeypatch.setenv(forkrank.FRESH_VAR, "1")
         run = lessonlib.launch(script, nproc=2, timeout=120, show="none").raise_for_status()
         outputs[fresh] = re.sub(r"\d+", "N", run.launcher_output)
     assert outputs[False] == outputs[True], outputs
@@ -71,7 +70,7 @@ def test_the_server_ends_with_the_process_that_started_it(tmp_path):
         "import lessonlib, psutil, os\n"
         f"lessonlib.launch({str(ROOT / 'lessons' / '01_launch.py')!r}, nproc=2, timeout=120, show='none')"
         ".raise_for_status()\n"
-        "print(sum('lessonlib.launcher._agentserver' in ' '.join(c.cmdline()) for c in psutil.Process().children()))\n"
+        f"print(sum({SERVER_MODULE!r} in ' '.join(c.cmdline()) for c in psutil.Process().children()))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code],
@@ -83,4 +82,4 @@ def test_the_server_ends_with_the_process_that_started_it(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "1", "the launch did not go through a server"
-    assert marked_processes("SERVER_TEST_TAG", tag) == []
+    assert marked_processes(tag, var="SERVER_TEST_TAG") == []

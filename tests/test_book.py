@@ -22,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from lessonlib import ROOT, run_bounded
 from lessonlib.book import rebuild
-from lessonlib.launcher.processes import BOUNDED_VAR, kill_all, marked_environment, marked_processes, run_bounded
+from lessonlib.processes.bounded import marked_environment
+from lessonlib.processes.marks import kill_all, marked_processes
 
-ROOT = Path(__file__).resolve().parents[1]
 JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
 # The whole build, every chapter executed two at a time, then the HTML; each chapter also has its own
 # bound (lessonlib.book.rebuild: 2400 s) and each cell execute.timeout (_config.yml). A bound against a hang,
@@ -228,7 +229,7 @@ def test_a_book_build_stopped_mid_chapter_leaves_no_process_behind(tmp_path, sig
     cancelling a job, `kill`): the build stops every executor (SIGTERM, then after rebuild.STOP_GRACE the
     kill), with its kernel and the kernel's launch, and removes its scratch folder before it ends.
     SIGKILL (nothing can be run in the build itself): the executor is told by Linux (PR_SET_PDEATHSIG)
-    and shuts its kernel down, and the launch ends with the kernel (lessonlib.launcher._lifeline).
+    and shuts its kernel down, and the launch ends with the kernel (lessonlib.processes.lifeline).
     Either way, within that bound no process the build started is left."""
     sleeper = tmp_path / "sleeper.py"
     sleeper.write_text(SLEEPER)
@@ -258,9 +259,9 @@ def test_a_book_build_stopped_mid_chapter_leaves_no_process_behind(tmp_path, sig
         os.kill(build.pid, sig)
         build.wait(timeout=rebuild.STOP_GRACE + 10)  # the executors' grace, then the kill
         deadline = time.monotonic() + 30
-        while marked_processes(BOUNDED_VAR, mark) and time.monotonic() < deadline:
+        while marked_processes(mark) and time.monotonic() < deadline:
             time.sleep(0.5)
-        left = [" ".join(p.cmdline())[:150] for p in marked_processes(BOUNDED_VAR, mark)]
+        left = [" ".join(p.cmdline())[:150] for p in marked_processes(mark)]
         assert not left, f"{len(left)} process(es) of the build outlived it by 30 s: {left}"
         # The launch's run folder (lessonlib-<id>-*) goes with its processes; after SIGTERM the build's
         # own scratch folder too (after SIGKILL nothing runs in the build to remove that one).
@@ -275,7 +276,7 @@ def test_a_book_build_stopped_mid_chapter_leaves_no_process_behind(tmp_path, sig
         if build.poll() is None:
             os.killpg(build.pid, signal.SIGKILL)
             build.wait()
-        kill_all(marked_processes(BOUNDED_VAR, mark))
+        kill_all(marked_processes(mark))
         log.close()
 
 

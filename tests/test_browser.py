@@ -44,9 +44,9 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
 from conftest import processes_with_env
+from lessonlib import ROOT
 from test_book import BOOK_TEST_TIMEOUT, tracked_notebooks
 
-ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium")
 # Playwright adds its own (--headless among them); these keep Chromium off the network and the GPU.
 # No host name resolves but the local server's address: a request to any other host fails at once
@@ -203,7 +203,7 @@ PAGE_FACTS = r"""(root) => {
     return {language, tokens: tokens.length, text: pre.textContent.trim().slice(0, 80),
             coloured: tokens.some(t => getComputedStyle(t).color !== plain)};
   });
-  // Each run view (lessonlib.launcher.display): its head, the line per rank of a failed run, its columns (ranks
+  // Each run view (lessonlib.view.html): its head, the line per rank of a failed run, its columns (ranks
   // that printed something), the ranks named on its one line for those that printed nothing, its folded
   // tracebacks, and any absolute path of the build machine it shows (an environment's, the checkout's).
   const runs = Array.from(document.querySelectorAll(".lessonlib-run")).map(run => {

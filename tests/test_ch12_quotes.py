@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from lessonlib import ROOT
 from lessonlib.notebook import ncclmessages
 
-ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "book" / "12_debugging.ipynb"
 
 # A quote that starts so is a command or code, not a message.

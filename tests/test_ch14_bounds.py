@@ -11,13 +11,13 @@ times the length of each literal tuple a `for` loop around it runs over, added u
 import ast
 import json
 import re
-from pathlib import Path
 
 import pytest
 
+from lessonlib import ROOT
+
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "book" / "14_cheaper.ipynb"
 DEFAULT_LAUNCH_TIMEOUT = 120  # lessonlib.launch's default
 MARGIN = 30  # seconds a cell needs beyond its launches: a fresh agent, tables, cleaning up

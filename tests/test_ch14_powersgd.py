@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from lessonlib.launcher.processes import run_bounded
+from lessonlib import ROOT, run_bounded
 from rankfork import run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
 LESSON = "lessons/14_powersgd_gloo.py"
 
 IGNORED = textwrap.dedent(

@@ -13,15 +13,14 @@ The real-process side (gloo, 1 to 4 ranks) is tests/test_lessons.py running the 
 
 import itertools
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 import lessonlib
+from lessonlib import ROOT
 
 pytestmark = pytest.mark.unit
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")

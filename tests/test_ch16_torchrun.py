@@ -22,14 +22,12 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from pathlib import Path
 
 import pytest
 
-from lessonlib.launcher.hosts import Hosts, unavailable
-from lessonlib.launcher.processes import started
+from lessonlib import ROOT, started
+from lessonlib.cluster.hosts import Hosts, unavailable
 
-ROOT = Path(__file__).resolve().parent.parent
 BOUND = 60.0  # seconds for any one torchrun of these tests; every wait inside has its own, shorter one
 READ_TIMEOUT = 5  # the rendezvous's store operations (torch's default: 60 s)
 # A worker that outlives the late host's start-up (~10 s at 0.1 s a step; 16_host_drop.py all-reduces each step).

@@ -10,14 +10,15 @@ tests read the notebook's own text, so a field the table cites and the manifest 
 import ast
 import json
 import re
-from pathlib import Path
 
 import pytest
 import yaml
 
+from lessonlib import ROOT
+
 pytestmark = pytest.mark.unit
 
-CHAPTER = Path(__file__).resolve().parent.parent / "book" / "17_slurm.ipynb"
+CHAPTER = ROOT / "book" / "17_slurm.ipynb"
 TEXT_CELL, TABLE_CELL = "c17-43", "c17-44"  # the section's prose with the manifests, and the table's code cell
 OPERATOR = "the operator"  # SET_BY's words for a value the operator fills in, not a field of the manifest
 

@@ -11,13 +11,12 @@ requeue.sbatch under its time limit's signal, itself; tests/test_slurm.py runs s
 
 import re
 import time
-from pathlib import Path
 
 import pytest
 
-from lessonlib.launcher.slurm import Slurm, unavailable
+from lessonlib import ROOT
+from lessonlib.cluster.slurm import Slurm, unavailable
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted((ROOT / "lessons" / "slurm").glob("*.sbatch"))
 JOB_BOUND = 120.0  # seconds for a job of torch ranks to end (about 10 s here)
 STEP_BOUND = 60.0  # seconds for a job's ranks to print their first steps

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 import lessonlib
+from lessonlib import ROOT
+from lessonlib.cli import catalog
 from lessonlib.notebook.code import MARKER, Code, regions
 
-ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb"))
-LESSONS = sorted(ROOT.glob("lessons/[0-9][0-9]_*.py"))
+LESSONS = catalog.lesson_files()
 JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
 
 

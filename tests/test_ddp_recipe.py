@@ -15,14 +15,14 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from lessonlib.launcher.processes import BOUNDED_VAR, kill_session, marked_environment, marked_processes
+from lessonlib import ROOT
+from lessonlib.processes.bounded import kill_session, marked_environment
+from lessonlib.processes.marks import marked_processes
 from test_lessons import BOOK_TEST
 
-ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "lessons" / "recipes" / "test_ddp_step.py"
 CHAPTER = ROOT / "book" / "11_end_to_end.ipynb"
 TIMEOUT = 240  # seconds for one pytest run of the recipe, a few of them in a row under load
@@ -87,7 +87,7 @@ def run_pytest(args, cwd, tmpdir):
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=TIMEOUT)
-            leftovers = [" ".join(p.cmdline())[:200] for p in marked_processes(BOUNDED_VAR, mark)]
+            leftovers = [" ".join(p.cmdline())[:200] for p in marked_processes(mark)]
         finally:
             kill_session(proc, mark)
     output = log.read_text()

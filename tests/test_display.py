@@ -1,7 +1,7 @@
 """How a run is told: one line per rank first, tracebacks folded, short paths, no empty columns, once.
 
 Unit tests on made-up RunResults (they run in a second), then one real 4-rank launch of a script that
-fails inside torch, read through the same views. The views are lessonlib.launcher.display's; the HTML here is
+fails inside torch, read through the same views. The views are lessonlib.view's; the HTML here is
 what the book, JupyterLab and VS Code show (tests/test_browser.py looks at it in a real browser).
 """
 
@@ -16,9 +16,9 @@ import pytest
 
 import lessonlib
 from conftest import HELPERS, line_of
-from lessonlib.launcher import display
-from lessonlib.launcher.result import RankOutput, RunResult
-from lessonlib.launcher.spec import ROOT
+from lessonlib import ROOT, RankOutput, RunResult
+from lessonlib.view import live, tracebacks
+from lessonlib.view import story as tell
 
 SITE = "/opt/reader/venv/lib/python3.11/site-packages"  # another machine's environment: any prefix goes
 REPO = f"{ROOT}/"
@@ -112,7 +112,7 @@ def failed(stuck_script):
 
 @pytest.mark.unit
 def test_each_rank_gets_one_line_saying_how_it_ended_and_where(failed, stuck_script):
-    lines = [str(line) for line in display.rank_lines(failed)]
+    lines = [str(line) for line in tell.rank_lines(failed)]
     assert lines == [
         f"rank 0: stopped by torchrun (SIGTERM) after another rank failed; at {stuck_script}:5 in wait: time.sleep(60)",
         "rank 1 (root cause): RuntimeError: Timed out waiting 4000ms for recv operation to complete; "
@@ -123,7 +123,7 @@ def test_each_rank_gets_one_line_saying_how_it_ended_and_where(failed, stuck_scr
 
 
 def test_every_view_of_a_failed_run_leads_with_the_rank_lines(failed):
-    lines = [str(line) for line in display.rank_lines(failed)]
+    lines = [str(line) for line in tell.rank_lines(failed)]
     text = str(failed).splitlines()
     assert text[0].startswith("failed on rank(s) 0, 1: torchrun --nproc_per_node=4 lessons/demo.py"), text[0]
     assert [ln.strip() for ln in text[1:5]] == lines
@@ -171,7 +171,7 @@ def test_a_rank_that_left_early_is_the_one_to_look_at():
             RankOutput(1, exitcode=0, status="ok", start=1.0, end=2.0),
         ]
     )
-    assert [str(line) for line in display.rank_lines(run)] == [
+    assert [str(line) for line in tell.rank_lines(run)] == [
         "rank 0 (first to fail): RuntimeError: Connection closed by peer [127.0.0.1]:48876",
         "rank 1 (left early: look here first): exit 0, before the others failed",
     ]
@@ -182,33 +182,33 @@ def test_a_rank_that_left_early_is_the_one_to_look_at():
 
 @pytest.mark.unit
 def test_frames_of_a_traceback_and_of_a_stack_dump(stuck_script):
-    assert [(f.function, f.line, f.own) for f in display.frames(TRACEBACK)] == [
+    assert [(f.function, f.line, f.own) for f in tracebacks.frames(TRACEBACK)] == [
         ("<module>", 12, True),
         ("main", 9, True),
         ("wrapper", 83, False),
         ("barrier", 4065, False),
     ]
-    inner = display.innermost_frame(TRACEBACK)  # the reader's own line, not torch's
+    inner = tracebacks.innermost_frame(TRACEBACK)  # the reader's own line, not torch's
     assert (inner.function, inner.line, inner.source) == ("main", 9, "dist.barrier()  # waits for the others")
-    dumped = display.innermost_frame(dump_of(stuck_script))
+    dumped = tracebacks.innermost_frame(dump_of(stuck_script))
     assert (dumped.file, dumped.line, dumped.function) == (str(stuck_script), 5, "wait")
     assert dumped.source == "time.sleep(60)  # rank 1 never comes"  # read from the file
     chained = 'Traceback (most recent call last):\n  File "a.py", line 1, in f\n    x()\nKeyError: 1\n\n'
     chained += "During handling of the above exception, another exception occurred:\n\n" + TRACEBACK
-    assert display.innermost_frame(chained).line == 9  # the last exception's
-    assert display.innermost_frame("no traceback here") is None
+    assert tracebacks.innermost_frame(chained).line == 9  # the last exception's
+    assert tracebacks.innermost_frame("no traceback here") is None
 
 
 @pytest.mark.unit
 def test_shown_paths_are_short_and_the_result_keeps_them_whole(failed):
-    assert display.short_paths(f'File "{SITE}/torch/x.py"') == 'File "torch/x.py"'
-    assert display.short_paths(f'File "{ROOT}/lessons/12_hang.py"') == 'File "lessons/12_hang.py"'
-    assert display.short_paths(f"{sys.prefix}/lib/python3.11/site-packages/torch/a.py") == "torch/a.py"
+    assert tracebacks.short_paths(f'File "{SITE}/torch/x.py"') == 'File "torch/x.py"'
+    assert tracebacks.short_paths(f'File "{ROOT}/lessons/12_hang.py"') == 'File "lessons/12_hang.py"'
+    assert tracebacks.short_paths(f"{sys.prefix}/lib/python3.11/site-packages/torch/a.py") == "torch/a.py"
     shown = {
         "html": failed._repr_html_(),
         "text": str(failed),
         "story": failed.describe_failure(),
-        "columns": display.render_columns(failed, 100),
+        "columns": tell.render_columns(failed, 100),
     }
     for name, text in shown.items():
         assert "site-packages" not in text, f"{name} shows an environment's path"
@@ -247,7 +247,7 @@ def test_stderr_is_split_into_text_tracebacks_and_stacks():
         '  File "b.py", line 2 in g',
         "Extension modules: torch",
     ]
-    kinds = [(kind, len(chunk)) for kind, chunk in display._segments(lines)]
+    kinds = [(kind, len(chunk)) for kind, chunk in tracebacks.segments(lines)]
     assert kinds == [("text", 1), ("traceback", 12), ("text", 3), ("stack", 5), ("text", 1)], kinds
 
 
@@ -262,7 +262,7 @@ def test_a_rank_that_printed_nothing_takes_no_column(failed):
     assert 'data-world-size="4"' in page
     assert str(failed).splitlines()[-1] == "ranks 2, 3 printed nothing (exit 0)"
     assert "--- rank 2" not in str(failed)
-    table = display.render_columns(failed, 100)
+    table = tell.render_columns(failed, 100)
     assert re.match(r"rank 0 \(terminated, exit -15\)\s+\| rank 1 \(exit 1\)$", table.splitlines()[0]), table
     assert table.splitlines()[-1] == "ranks 2, 3 printed nothing (exit 0)"
 
@@ -279,11 +279,22 @@ def test_columns_keep_a_readable_width_at_four_ranks():
 @pytest.mark.unit
 def test_the_live_view_shows_ranks_that_printed_nothing_yet_on_one_line():
     drawn = []
-    view = display.HtmlLiveView("lessons/demo.py", [], 3, 1, draw=drawn.append)
+    view = live.HtmlLiveView("lessons/demo.py", [], 3, 1, draw=drawn.append)
     view.lines(1, "stdout", ["hello from rank 1"])
     view.tick(1.0)
     assert 'data-rank="1"' in drawn[-1] and 'data-rank="0"' not in drawn[-1]
     assert "ranks 0, 2: nothing printed yet" in drawn[-1] and "running" in drawn[-1]
+
+
+@pytest.mark.unit
+def test_a_view_leaves_the_result_as_it_found_it(capsys):
+    """A view reads a RunResult and writes nothing onto it: which cell showed it is the view's own state."""
+    for view in (live.HtmlLiveView("x.py", [], 1, 1, draw=[].append), live.TextLiveView("x.py", [], 1, 1)):
+        run = result_of([RankOutput(0, stdout="hi\n", exitcode=0, status="ok")], returncodes=[0])
+        before = dict(vars(run))
+        view.finish(run)
+        assert vars(run) == before, f"{type(view).__name__} changed the result"
+    capsys.readouterr()
 
 
 # --------------------------------------------------------------------------- shown once
@@ -293,8 +304,8 @@ import threading
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 from traitlets.config import Config
-from lessonlib.launcher.display import HtmlLiveView
 from lessonlib.launcher.result import RankOutput, RunResult
+from lessonlib.view.live import HtmlLiveView
 
 config = Config()
 config.HistoryManager.enabled = False
@@ -369,7 +380,7 @@ def test_a_real_failed_launch_reads_rank_by_rank(tmp_path):
         "rank 2: exit 0",
         "rank 3: exit 0",
     ]
-    assert [str(line) for line in display.rank_lines(run)] == expected, story
+    assert [str(line) for line in tell.rank_lines(run)] == expected, story
     assert [ln.strip() for ln in story.splitlines()[1:5]] == expected
     assert [ln.strip() for ln in str(run).splitlines()[1:5]] == expected
     assert "site-packages" in run.ranks[0].traceback  # the data keeps the whole path...

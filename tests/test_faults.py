@@ -31,16 +31,13 @@ import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import psutil
 import pytest
 
 import lessonlib
 from conftest import HELPERS, kill_processes, line_of, processes_with_env
-from lessonlib.launcher.processes import run_bounded
-
-ROOT = Path(__file__).resolve().parent.parent
+from lessonlib import ROOT, run_bounded
 
 GONE_GRACE = 3.0  # seconds a process that was just killed gets to finish dying before it counts as left
 KILLED_KERNEL_BOUND = 8.0  # seconds for every process of a run to go after its kernel is SIGKILLed
@@ -356,8 +353,8 @@ def test_a_cell_timeout_interrupts_the_launch_and_the_next_cell_launches_again(f
     from nbclient import NotebookClient
 
     hang = KERNEL_LAUNCH.format(script=str(fault_case.script), args=["sleep", "--grandchild"], env=fault_case.env())
-    after = f"""from lessonlib.launcher.processes import marked_processes
-left = marked_processes("TEST_TAG", {fault_case.tag!r})
+    after = f"""from lessonlib.processes.marks import marked_processes
+left = marked_processes({fault_case.tag!r}, var="TEST_TAG")
 assert left == [], f"left after the interrupt: {{left}}"
 run = lessonlib.launch({str(fault_case.follow_up)!r}, nproc=2, timeout=90, show="none", env={fault_case.env()!r})
 assert run.ok, run.describe_failure()
@@ -409,7 +406,7 @@ def _seconds(start, end):
 def kernel_and_launch_env(case, agent):
     """A fresh agent: the case's variables given to the launch (env=...). A forked one: given to the
     kernel instead, so that the launch has no env of its own and forks its agent from the kernel's agent
-    server (lessonlib.launcher._agentserver), which then carries the case's tag too."""
+    server (lessonlib.launcher.fastpath.agentserver), which then carries the case's tag too."""
     return (None, case.env()) if agent == "fresh" else (case.env(), None)
 
 
@@ -418,7 +415,7 @@ def kernel_and_launch_env(case, agent):
 def test_a_killed_kernel_takes_the_agent_and_every_rank_with_it(fault_case, agent):
     """SIGKILL the kernel while its launch runs: nobody is left to run the launcher's cleanup, so the
     torchrun agent (SIGTERM when its parent dies) and the ranks (SIGKILL when theirs does) must go by
-    themselves (lessonlib.launcher._lifeline), within a few seconds; and so must the agent server, where the
+    themselves (lessonlib.processes.lifeline), within a few seconds; and so must the agent server, where the
     agent was forked from one."""
     kernel_env, launch_env = kernel_and_launch_env(fault_case, agent)
     with running_kernel(fault_case, kernel_env) as (km, kc):
@@ -430,7 +427,9 @@ def test_a_killed_kernel_takes_the_agent_and_every_rank_with_it(fault_case, agen
         expected = 3 if agent == "fresh" else 5
         assert len(running) == expected, f"expected {expected}: {[describe(p) for p in running]}"
         if agent == "forked":
-            assert sum("lessonlib.launcher._agentserver" in " ".join(p.cmdline()) for p in running) == 4, running
+            assert sum("lessonlib.launcher.fastpath.agentserver" in " ".join(p.cmdline()) for p in running) == 4, (
+                running
+            )
         os.kill(km.provisioner.pid, signal.SIGKILL)
         left = fault_case.left_after(KILLED_KERNEL_BOUND)
         assert left == [], f"alive {KILLED_KERNEL_BOUND} s after the kernel was killed: {[describe(p) for p in left]}"

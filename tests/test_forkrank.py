@@ -1,20 +1,18 @@
-"""lessonlib.launcher._forkrank: a launch's ranks are forked from the torchrun agent, torch already imported, and
-each is what a fresh `python` rank would be in what it computes and prints. One helper script reports
+"""lessonlib.launcher.fastpath.forkrank: a launch's ranks are forked from the torchrun agent, torch already
+imported, and each is what a fresh `python` rank would be in what it computes and prints. One helper script reports
 its own process from inside both kinds of rank (LESSONLIB_FRESH_RANKS=1 asks for fresh ones), and the
 reports must match, with the fork's known differences (its command line, its parent's imports) named."""
 
 import signal
-from pathlib import Path
 
 import pytest
 
 import lessonlib
 from conftest import HELPERS
-from lessonlib.launcher import _forkrank
+from lessonlib.launcher.fastpath import forkrank
 
-ROOT = Path(__file__).resolve().parent.parent
 HELPER = HELPERS / "fresh_state.py"
-FORKS = _forkrank.wanted({})
+FORKS = forkrank.wanted({})
 
 pytestmark = pytest.mark.skipif(
     not FORKS, reason="ranks are not forked on this machine (NVIDIA devices present, or no os.fork)"
@@ -26,9 +24,9 @@ def launch_state(tmp_path, monkeypatch, fresh, code=0):
     folder.mkdir()
     monkeypatch.setenv("FRESH_STATE_DIR", str(folder))
     if fresh:
-        monkeypatch.setenv(_forkrank.FRESH_VAR, "1")
+        monkeypatch.setenv(forkrank.FRESH_VAR, "1")
     else:
-        monkeypatch.delenv(_forkrank.FRESH_VAR, raising=False)
+        monkeypatch.delenv(forkrank.FRESH_VAR, raising=False)
     run = lessonlib.launch(HELPER, nproc=2, args=[str(code)], timeout=120, show="none")
     return run, folder
 
@@ -57,13 +55,18 @@ def test_a_forked_rank_starts_as_a_fresh_one_would(both):
         # The one difference chapter 1 names: `ps` shows a forked agent and its ranks with the command line
         # of the agent server they were forked from.
         assert (
-            a.pop("command line") == "lessonlib.launcher._agentserver"
+            a.pop("command line") == "lessonlib.launcher.fastpath.agentserver"
             and b.pop("command line") == "lessonlib.launcher._rank_main"
         )
         assert a == b, f"rank {rank}: forked {a}\n  fresh {b}"
         assert (
             a["lessonlib modules"]
-            == ["lessonlib.launcher", "lessonlib.launcher._lifeline", "lessonlib.launcher._runfolder"]
+            == [
+                "lessonlib.launcher",
+                "lessonlib.launcher.runfolder",
+                "lessonlib.processes",
+                "lessonlib.processes.lifeline",
+            ]
             and a["session leader"]
             and a["stdout write_through"]
         )
@@ -94,7 +97,7 @@ def test_the_torch_import_is_the_agents(tmp_path, monkeypatch):
     script.write_text("import os, sys\nprint('torch' in sys.modules)\n")
     for fresh in (False, True):
         if fresh:
-            monkeypatch.setenv(_forkrank.FRESH_VAR, "1")
+            monkeypatch.setenv(forkrank.FRESH_VAR, "1")
         run = lessonlib.launch(script, nproc=2, timeout=120, show="none").raise_for_status()
         assert [r.stdout.strip() for r in run.ranks] == [str(not fresh)] * 2
 
@@ -110,7 +113,7 @@ def test_a_forked_ranks_exit_status_reaches_torchrun_as_a_fresh_ones(tmp_path, m
     codes = {}
     for fresh in (False, True):
         if fresh:
-            monkeypatch.setenv(_forkrank.FRESH_VAR, "1")
+            monkeypatch.setenv(forkrank.FRESH_VAR, "1")
         run = lessonlib.launch(script, nproc=2, args=[how], timeout=120, show="none")
         codes[fresh] = (run.ranks[1].exitcode, run.ranks[0].exitcode, run.ranks[1].stderr.strip()[-40:])
     assert codes[False] == codes[True], codes

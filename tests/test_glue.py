@@ -6,17 +6,16 @@ tests find the same mistake, and a name glued but never cited, in seconds, from 
 
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from lessonlib import ROOT
 from lessonlib.notebook.glue import _plain, glue
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((ROOT / "book").glob("*.ipynb"))
 ROLE = re.compile(r"\{glue(?::\w+)?\}`([^`]+)`")
 CALL = re.compile(r"""\bglue\(\s*f?["']([\w-]+)["']""")

@@ -6,12 +6,11 @@ still applies the workaround where it must (before torch starts CUDA).
 """
 
 import inspect
-from pathlib import Path
 
 import pytest
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-ROOT = Path(__file__).resolve().parent.parent
+from lessonlib import ROOT
 
 pytestmark = pytest.mark.unit
 

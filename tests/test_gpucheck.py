@@ -17,10 +17,9 @@ import sys
 import pytest
 import torch
 
-from lessonlib import gpucheck
+from lessonlib import ROOT, gpucheck
 from lessonlib.notebook import gpucapture
 
-ROOT = gpucheck.ROOT
 HELPERS = ROOT / "tests" / "helpers"
 
 

@@ -27,9 +27,10 @@ import psutil
 import pytest
 
 import lessonlib
-from lessonlib.launcher.hosts import NETNS_ETC, Hosts, parse_proc_net_tcp, unavailable
+from lessonlib import ROOT
+from lessonlib.cluster.hosts import NETNS_ETC, Hosts, unavailable
+from lessonlib.sockets import parse_proc_net_tcp
 
-ROOT = Path(__file__).resolve().parent.parent
 LESSON = "lessons/16_hosts.py"
 NETNS_RUN = Path("/run/netns")  # where `ip netns add` names a namespace
 GONE_BOUND = 15.0  # seconds for everything of a network to be removed once its owner ends or dies
@@ -70,7 +71,7 @@ print(json.dumps(out))
 # token once a process runs on host1, then waits.
 OWNER = """
 import subprocess, time
-from lessonlib.launcher.hosts import Hosts
+from lessonlib.cluster.hosts import Hosts
 with Hosts(2) as net:
     net.popen("host1", ["sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     print(net.token, flush=True)
@@ -256,7 +257,7 @@ def test_without_root_unavailable_names_root(module):
         pytest.skip("runs as root to drop to an unprivileged user; this test process is not root")
     # The child drops to nobody itself, after starting as root: the interpreter may be where nobody cannot read.
     code = (
-        f"import os; from lessonlib.launcher.{module} import unavailable; "
+        f"import os; from lessonlib.cluster.{module} import unavailable; "
         f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY}); print(unavailable())"
     )
     out = subprocess.run(

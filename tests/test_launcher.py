@@ -21,11 +21,10 @@ import pytest
 
 import lessonlib
 from conftest import HELPERS, processes_with_env
-from lessonlib.launcher import _forkrank
-from lessonlib.launcher.core import RUN_ID_VAR
-from lessonlib.launcher.processes import run_bounded
+from lessonlib import ROOT, run_bounded
+from lessonlib.launcher.fastpath import forkrank
+from lessonlib.processes.marks import MARKS_VAR
 
-ROOT = Path(__file__).resolve().parent.parent
 PRINT_LINES = HELPERS / "print_lines.py"
 HANG = HELPERS / "hang.py"
 LAUNCH_LESSON = "lessons/01_launch.py"
@@ -405,7 +404,7 @@ def test_leak_scan_sees_a_marked_process(leak_scan):
     """The autouse leak check must be able to fail: a process carrying the run marker is found."""
     sleeper = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)"],
-        env={**os.environ, RUN_ID_VAR: "leak-scan-check"},
+        env={**os.environ, MARKS_VAR: "leak-scan-check"},
         start_new_session=True,
     )
     try:
@@ -459,7 +458,7 @@ def test_relative_script_is_found_in_cwd(tmp_path, monkeypatch):
 def test_timeout_before_any_rank_started_says_so(monkeypatch):
     # A fresh agent imports torch for seconds before it starts a rank: 0.3 s ends the run before that.
     # (An agent forked from the server can start and finish both ranks within 0.3 s.)
-    monkeypatch.setenv(_forkrank.FRESH_VAR, "1")
+    monkeypatch.setenv(forkrank.FRESH_VAR, "1")
     run = lessonlib.launch(LAUNCH_LESSON, nproc=2, timeout=0.3, show="none")
     assert run.timed_out and not run.ok
     assert all(r.status == "not started" for r in run.ranks), [r.status for r in run.ranks]
@@ -485,7 +484,7 @@ def test_mpi_backend_is_refused_naming_what_is_allowed(monkeypatch):
 def test_launch_description_is_checked_and_frozen(tmp_path):
     import dataclasses
 
-    from lessonlib.launcher.spec import check_launch
+    from lessonlib.launcher.request import check_launch
 
     script = tmp_path / "x.py"
     script.write_text("print('x')\n")
@@ -511,7 +510,7 @@ def test_launch_description_is_checked_and_frozen(tmp_path):
 
 @pytest.mark.unit
 def test_run_folder_records_round_trip(tmp_path):
-    from lessonlib.launcher import _runfolder as runfolder
+    from lessonlib.launcher import runfolder
 
     folder = str(tmp_path)
     assert runfolder.read_start(folder, 0) is None and runfolder.read_exit(folder, 0) is None
@@ -527,35 +526,41 @@ def test_run_folder_records_round_trip(tmp_path):
     assert sorted(os.listdir(folder)) == ["rank1.exit.json", "rank1.reports.jsonl", "rank1.start.json"]
 
 
-RUN_FOLDER_NAMES = (
-    "LESSONLIB_RUN_ID",
-    "LESSONLIB_RUN_DIR",
-    "LESSONLIB_LAUNCHER_PID",
-    "LESSONLIB_BACKEND",
-    ".start.json",
-    ".exit.json",
-    ".reports.jsonl",
-    "agent{",
-    '.stdout"',
-    '.stderr"',
-)
+# Each protocol's names, and the one module that spells them; every other side imports them from there.
+PROTOCOLS = {
+    "lessonlib/launcher/runfolder.py": (
+        "LESSONLIB_RUN_DIR",
+        "LESSONLIB_LAUNCHER_PID",
+        "LESSONLIB_BACKEND",
+        "LESSONLIB_STORES_ON",
+        ".start.json",
+        ".exit.json",
+        ".reports.jsonl",
+        "agent{",
+        '.stdout"',
+        '.stderr"',
+    ),
+    "lessonlib/processes/marks.py": ("LESSONLIB_MARKS",),  # the one variable that marks processes
+}
 
 
 @pytest.mark.unit
-def test_run_folder_protocol_is_spelled_once():
-    """The run folder's variable and file names live in launcher/_runfolder.py; every other side imports them."""
+@pytest.mark.parametrize("home", PROTOCOLS, ids=lambda p: p.rsplit("/", 1)[-1])
+def test_a_protocols_names_are_spelled_once(home):
+    """The run folder's variable and file names live in launcher/runfolder.py, the process marks' variable in
+    processes/marks.py; every other side imports them."""
     sides = [
         *sorted((ROOT / "lessonlib").rglob("*.py")),
         *(ROOT / "tests" / name for name in ("conftest.py", "rankfork.py", "test_lessons.py")),
     ]
     spelled = [
-        (path.relative_to(ROOT), name)
+        (str(path.relative_to(ROOT)), name)
         for path in sides
-        if path.name != "_runfolder.py"
-        for name in RUN_FOLDER_NAMES
+        if path != ROOT / home
+        for name in PROTOCOLS[home]
         if name in path.read_text()
     ]
-    assert spelled == [], f"run-folder names spelled outside lessonlib/launcher/_runfolder.py: {spelled}"
+    assert spelled == [], f"names spelled outside {home}: {spelled}"
 
 
 @pytest.mark.timeout(240)
@@ -607,7 +612,7 @@ def test_run_bounded_leaves_no_process_whether_the_command_finishes_or_hangs(wai
 def test_run_bounded_reaches_a_bounded_command_inside_a_bounded_command():
     """The marks nest: killing the outer command at its deadline also ends what an inner run_bounded
     (with a longer bound) had started."""
-    inner = f"from lessonlib.launcher.processes import run_bounded\nrun_bounded({detached(600)!r}, 600)"
+    inner = f"from lessonlib import run_bounded\nrun_bounded({detached(600)!r}, 600)"
     tag = uuid.uuid4().hex  # this test's processes only: others running beside it sleep(600) too
     done = run_bounded([sys.executable, "-c", inner], 8, env={**os.environ, "TEST_TAG": tag})
     assert done.timed_out, done
@@ -619,7 +624,7 @@ def test_run_bounded_reaches_a_bounded_command_inside_a_bounded_command():
 def test_sigterm_to_a_process_in_run_bounded_kills_the_command_first():
     """A process waiting in run_bounded and sent SIGTERM (pytest stopped by CI, `kill`) first kills the
     command and all it started (a process in a session of its own here), then ends as SIGTERM ends it."""
-    code = f"from lessonlib.launcher.processes import run_bounded\nrun_bounded({detached(600)!r}, 600)"
+    code = f"from lessonlib import run_bounded\nrun_bounded({detached(600)!r}, 600)"
     waiter = subprocess.Popen(
         [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True
     )
@@ -673,7 +678,7 @@ def test_a_rank_that_exits_0_early_is_named_though_only_its_peers_failed():
 
 @pytest.mark.parametrize("how", ["block ends", "bound fires"])
 def test_started_kills_everything_it_started(how):
-    from lessonlib.launcher.processes import started
+    from lessonlib import started
 
     with started(detached(600), timeout=3 if how == "bound fires" else 60) as job:
         child = job.poll_until(lambda: job.output().split() and int(job.output().split()[0]), timeout=30)
@@ -693,24 +698,3 @@ def test_run_bounded_types_its_input_and_a_command_that_never_reads_it_still_end
     assert done.returncode == 0 and done.output.split() == ["cba", "xyz"], done
     ignores = run_bounded([sys.executable, "-c", "import time; time.sleep(1)"], 60, input="x" * 200_000)
     assert ignores.returncode == 0 and not ignores.timed_out, ignores
-
-
-@pytest.mark.unit
-def test_the_agents_method_name_is_torchs_get_method_name():
-    """The agent's stand-in for torch's dynamic_rendezvous.get_method_name (lessonlib.launcher._agent_main, a
-    speed fix) names the same function at every depth, and the same "no_method_name" past the stack."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    from lessonlib.launcher._agent_main import get_method_name as method_name
-
-    def record(name_of, depth):  # as torch calls it: from a method that records an event
-        return name_of() if depth is None else name_of(depth)
-
-    def next_rendezvous(name_of, depth):
-        return record(name_of, depth)
-
-    for depth in (None, 0, 1, 2, 3, 10_000):
-        ours, torchs = next_rendezvous(method_name, depth), next_rendezvous(dynamic_rendezvous.get_method_name, depth)
-        assert ours == torchs, (depth, ours, torchs)
-    assert next_rendezvous(method_name, None) == "next_rendezvous"
-    assert method_name(10_000) == "no_method_name"

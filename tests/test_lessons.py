@@ -46,14 +46,14 @@ import pytest
 
 import lessonlib
 from conftest import HELPERS, line_of
-from lessonlib.launcher import terminal
-from lessonlib.launcher.processes import run_bounded
-from lessonlib.launcher.spec import TORCHRUN_ENV
-from lessonlib.launcher.terminal import command_of
+from lessonlib import ROOT, run_bounded
+from lessonlib.cli import catalog
+from lessonlib.cli.catalog import command_of
+from lessonlib.launcher.request import TORCHRUN_ENV
+from lessonlib.paths import LESSON_GLOB
 from rankfork import run_plain, run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
-LESSONS = sorted(ROOT.glob("lessons/[0-9][0-9]_*.py"))
+LESSONS = catalog.lesson_files()
 WORLD_SIZES = (1, 2, 3, 4)  # 3: a world size that does not divide evenly
 TIMEOUT = 180  # seconds per run
 BOOK_TEST = "test_book_builds_and_executes_every_chapter"
@@ -109,13 +109,13 @@ BOOK_RUNS, BOOK_COMMANDS = book_runs()
 
 
 def kind_of(lesson):
-    """'torchrun', 'spawn' or 'single', from the lesson's command (lessonlib.launcher.terminal's reading of it)."""
-    return terminal.kind_of(command_of(lesson))
+    """'torchrun', 'spawn' or 'single', from the lesson's command (the catalog's reading of it)."""
+    return catalog.kind_of(command_of(lesson))
 
 
 def command_world_size(lesson):
     """The world size the lesson's command runs it at (1 when it names none)."""
-    return terminal.nproc_of(command_of(lesson)) or 1
+    return catalog.nproc_of(command_of(lesson)) or 1
 
 
 @pytest.mark.unit
@@ -127,7 +127,7 @@ def test_the_book_runs_that_stand_for_test_runs_are_found():
 
 
 def test_lessons_are_found():
-    assert LESSONS, f"no lessons matched {ROOT / 'lessons/[0-9][0-9]_*.py'}"
+    assert LESSONS, f"no lessons matched {ROOT / 'lessons' / LESSON_GLOB}"
 
 
 @pytest.mark.unit
@@ -151,7 +151,7 @@ PROGRAMS = {"python": sys.executable, "torchrun": str(Path(sys.executable).with_
 def run_command(command, tmp_path):
     """Run a shell command line as a reader pastes it at the repository root with .venv activated:
     `python` and `torchrun` are the ones next to this interpreter. Bounded, and every process it
-    started killed at the end (lessonlib.launcher.processes.run_bounded: torchrun puts its workers in sessions of
+    started killed at the end (lessonlib.run_bounded: torchrun puts its workers in sessions of
     their own, so killing the command's process group alone would not reach them).
 
     Nothing else differs from a reader's shell: a one-node torchrun with no --master-port picks a free

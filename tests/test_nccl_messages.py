@@ -12,16 +12,15 @@ installed (libtorch_cuda.so and nvidia/ in a CPU-only torch), its lookups skip a
 import json
 import re
 import runpy
-from pathlib import Path
 
 import pytest
 
+from lessonlib import ROOT
 from lessonlib.notebook import ncclmessages
 from lessonlib.notebook.ncclmessages import Lookup
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parent.parent
 
 LOOKUPS = [(m.symptom, lookup) for m in ncclmessages.MESSAGES for lookup in m.lookups]
 LOOKUPS += [(q.said, lookup) for q in ncclmessages.QUOTES for lookup in q.lookups]

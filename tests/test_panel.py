@@ -9,13 +9,13 @@ panel in a browser is covered by tests/test_browser.py.
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 
+from lessonlib import ROOT
+
 jupyter_client = pytest.importorskip("jupyter_client")
 
-ROOT = Path(__file__).resolve().parent.parent
 KERNEL = json.loads((ROOT / "book" / "01_launch.ipynb").read_text())["metadata"]["kernelspec"]["name"]
 CELL_TIMEOUT = 180
 

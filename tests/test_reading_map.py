@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from lessonlib import ROOT
 from lessonlib.book import readingmap
 from lessonlib.notebook import scriptdiff
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.unit

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from lessonlib.launcher.processes import run_bounded
+from lessonlib import ROOT, run_bounded
 
-ROOT = Path(__file__).resolve().parent.parent
 JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
 
 

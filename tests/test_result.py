@@ -1,6 +1,6 @@
 """lessonlib.launcher.result: a run folder read into a RunResult, in every way a run can end (unit tier: no process).
 
-Each test writes a run folder the way the ranks write it (lessonlib.launcher._runfolder's own writers: start and
+Each test writes a run folder the way the ranks write it (lessonlib.launcher.runfolder's own writers: start and
 exit records, reports, output files, the agent's log), says how the launcher saw the run end (an
 Ending), and reads it back with `read_result`, as the launcher does. Then: each rank's status, exit code
 and error; the root cause among several failures; ranks that left early; and the exit codes that
@@ -12,9 +12,9 @@ import signal
 
 import pytest
 
-from lessonlib.launcher import _runfolder as runfolder
+from lessonlib.launcher import runfolder
+from lessonlib.launcher.request import check_launch
 from lessonlib.launcher.result import Ending, read_result
-from lessonlib.launcher.spec import check_launch
 
 pytestmark = pytest.mark.unit
 

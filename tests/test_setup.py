@@ -6,13 +6,11 @@ import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 import lessonlib
-
-ROOT = Path(__file__).resolve().parent.parent
+from lessonlib import ROOT
 
 
 def test_setup_reports_the_timeout_it_gave_init_process_group():

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
+from lessonlib import ROOT
+from lessonlib.cluster.hosts import unavailable as hosts_unavailable
+from lessonlib.cluster.slurm import PROGRAMS, Slurm, unavailable
 from lessonlib.dist import _tasks_on_node, from_slurm
-from lessonlib.launcher.hosts import unavailable as hosts_unavailable
-from lessonlib.launcher.slurm import PROGRAMS, Slurm, unavailable
 from test_hosts import NETNS_RUN, read_line
 from test_hosts import leftovers as network_leftovers
 
-ROOT = Path(__file__).resolve().parent.parent
 GONE_BOUND = 15.0  # seconds for everything of a cluster to be removed once its owner ends or dies
 START_BOUND = 60.0  # seconds for a child to start a cluster (the helper's own bound for idle nodes is 30 s)
 JOB_BOUND = 120.0  # seconds for a job of 4 torch ranks to end (about 10 s here)
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.timeout(240)  # a backstop: every wait below has its ow
 # cluster's token and folder once start() has returned (every node idle), then waits.
 OWNER = """
 import time
-from lessonlib.launcher.slurm import Slurm
+from lessonlib.cluster.slurm import Slurm
 with Slurm(nodes=1) as cluster:
     print(cluster.net.token, cluster.folder, flush=True)
     time.sleep(120)
@@ -194,7 +194,7 @@ def test_without_slurm_unavailable_names_it_and_how_to_install(tmp_path):
         (tmp_path / program).symlink_to(shutil.which(program))
     (tmp_path / "python").symlink_to(sys.executable)
     code = (
-        "import os, sys; from lessonlib.launcher.slurm import unavailable; print(unavailable()); "
+        "import os, sys; from lessonlib.cluster.slurm import unavailable; print(unavailable()); "
         "os.environ['PATH'] = sys.argv[1]; print(unavailable())"
     )
     out = subprocess.run(

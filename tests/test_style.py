@@ -1,20 +1,26 @@
-"""One formatter and one linter for the whole course, lessons of a readable size, and a unit tier that
-starts no process.
+"""One formatter and one linter for the whole course, lessons of a readable size, a unit tier that
+starts no process, and one definition of where things are.
 
 ruff (pinned in requirements.txt, configured in pyproject.toml) covers the lessons, lessonlib, the
-tests, the benchmarks and the chapters' code cells. `make format` fixes what these tests find.
+tests, the benchmarks and the chapters' code cells. `make format` fixes what these tests find. The
+course root and the lessons are defined once (lessonlib.paths); every other file imports them.
 """
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from lessonlib import ROOT
+from lessonlib.cli import catalog
+from lessonlib.paths import CHAPTER_GLOB, LESSON_GLOB
+
 RUFF = Path(sys.executable).with_name("ruff")
-LESSONS = sorted(ROOT.glob("lessons/[0-9][0-9]_*.py"))
+LESSONS = catalog.lesson_files()
+NOT_THE_COURSES = {".git", ".venv", "_build", "__pycache__", ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints"}
 # A lesson is one idea: about 150 lines, formatted, docstring included. Checkers (which hold a reference
 # answer and the wrong answers they must reject) and lessons that set several cases side by side run
 # longer; none may grow past this without being split.
@@ -37,18 +43,48 @@ def test_the_tree_passes_the_linter():
     assert done.returncode == 0, f"ruff check found problems (`make format` fixes some):\n{done.stdout[-6000:]}"
 
 
+def course_files(suffix):
+    """Every file of the course ending in `suffix`, in every folder and subfolder (not .venv, _build, caches)."""
+    found = []
+    for folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = sorted(d for d in subfolders if d not in NOT_THE_COURSES)
+        found += [Path(folder) / f for f in sorted(files) if f.endswith(suffix)]
+    return found
+
+
 def test_ruff_covers_the_notebooks_and_every_python_folder():
-    """The check above is only as good as what it reads: every chapter and every folder of code."""
+    """The check above is only as good as what it reads: every chapter and every Python file, in every
+    folder and subfolder (lessonlib's subpackages, tests/helpers, lessons/recipes, ...)."""
     listed = set(ruff("check", "--show-files", ".").stdout.split())
-    wanted = [
-        *ROOT.glob("book/*.ipynb"),
-        *LESSONS,
-        *ROOT.glob("lessonlib/*.py"),
-        *ROOT.glob("tests/*.py"),
-        *ROOT.glob("benchmarks/*.py"),
-    ]
+    wanted = [*ROOT.glob("book/*.ipynb"), *course_files(".py")]
+    assert len(wanted) > len(LESSONS) + 50 and ROOT / "lessonlib" / "launcher" / "core.py" in wanted, wanted
     missing = [str(p.relative_to(ROOT)) for p in wanted if str(p) not in listed]
     assert not missing, f"ruff does not read: {missing}"
+
+
+def _assigned_names(tree):
+    return {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+
+
+@pytest.mark.unit
+def test_the_course_root_and_the_lesson_glob_are_defined_once():
+    """lessonlib.paths defines ROOT and the patterns of a lesson and a chapter; lessonlib, the tests and the
+    benchmarks import them (`from lessonlib import ROOT`, lessonlib.cli.catalog.lesson_files). Only
+    lessonlib/gpucheck.py keeps its own ROOT: it runs on a GPU machine with torch and the standard library
+    alone. (A lesson that adds the checkout to sys.path, to run without an install, computes it itself.)"""
+    sides = [p for folder in ("lessonlib", "tests", "benchmarks") for p in course_files(".py") if folder in p.parts]
+    own = {ROOT / "lessonlib" / "paths.py", ROOT / "lessonlib" / "gpucheck.py"}
+    roots = [
+        str(p.relative_to(ROOT)) for p in sides if p not in own and "ROOT" in _assigned_names(ast.parse(p.read_text()))
+    ]
+    assert roots == [], f"ROOT assigned outside lessonlib/paths.py: {roots}"
+    globs = [
+        str(p.relative_to(ROOT))
+        for p in sides
+        if p.name not in ("paths.py", "test_style.py")
+        and (LESSON_GLOB in p.read_text() or CHAPTER_GLOB in p.read_text())
+    ]
+    assert globs == [], f"the lesson or chapter pattern spelled outside lessonlib/paths.py: {globs}"
 
 
 @pytest.mark.unit

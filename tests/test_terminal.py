@@ -17,13 +17,14 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import HELPERS, kill_processes, processes_with_env
-from lessonlib.launcher import terminal
-from lessonlib.launcher.core import RankOutput
-from lessonlib.launcher.processes import kill_session, run_bounded
+from lessonlib import ROOT, RankOutput, run_bounded
+from lessonlib.cli import catalog
+from lessonlib.cli import main as terminal
+from lessonlib.paths import chapter_files
+from lessonlib.processes.bounded import kill_session
 
-ROOT = Path(__file__).resolve().parent.parent
 HANG = HELPERS / "hang.py"
-LESSONS = sorted(ROOT.glob("lessons/[0-9][0-9]_*.py"))
+LESSONS = catalog.lesson_files()
 MARK = "COURSE_TESTS_RUNNER_CLI"  # every process a runner test starts carries it, with a value of its own
 RUN_LIMIT = 120  # seconds for one runner command
 FAST = 20  # seconds for a command that starts no run (python start-up on a busy machine); timeouts are 3x
@@ -81,7 +82,7 @@ def test_run_help_explains_itself_with_examples():
 def test_list_and_help_do_not_import_torch():
     code = (
         "import sys, io, contextlib\n"
-        "from lessonlib.launcher.terminal import main\n"
+        "from lessonlib.cli.main import main\n"
         "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
         "    assert main(['list']) == 0\n"
         "    for argv in (['--help'], ['run', '--help'], []):\n"
@@ -89,7 +90,8 @@ def test_list_and_help_do_not_import_torch():
         "            main(argv)\n"
         "        except SystemExit:\n"
         "            pass\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'lessonlib.launcher.core'))\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'psutil')\n"
+        "               or m in ('lessonlib.launcher.core', 'lessonlib.launcher.agents'))\n"
         "print(heavy)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=FAST * 3)
@@ -105,7 +107,7 @@ def test_list_and_help_do_not_import_torch():
     )
     assert proc.returncode == 0, proc.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "lessonlib.launcher.terminal" in imported, proc.stderr[-2000:]
+    assert "lessonlib.cli.main" in imported, proc.stderr[-2000:]
     assert not {m for m in imported if m.split(".")[0] == "torch"}, "python -m lessonlib list imported torch"
 
 
@@ -114,7 +116,7 @@ def test_list_shows_every_lesson_under_its_chapter():
     assert code == 0, shown(code, out, err)
     lines = out.splitlines()
     headings = {}
-    for notebook in sorted(ROOT.glob("book/[0-9][0-9]_*.ipynb")):
+    for notebook in chapter_files():
         cells = json.loads(notebook.read_text())["cells"]
         first = next(
             re.search(r"^#\s+(.+?)\s*$", "".join(c["source"]), re.M)
@@ -127,7 +129,7 @@ def test_list_shows_every_lesson_under_its_chapter():
         headings[int(notebook.name[:2])] = matches[0]
     assert list(headings.values()) == sorted(headings.values()), "chapters are not in order"
     for lesson in LESSONS:
-        command = terminal.command_of(lesson)
+        command = catalog.command_of(lesson)
         assert command, f"{lesson.name} has no docstring command"
         at = [i for i, line in enumerate(lines) if line.strip() == command]
         assert len(at) == 1, f"{lesson.name}: its command {command!r} is not listed once:\n{out}"

@@ -4,7 +4,7 @@ to another task (lessons/train_regression.py).
 Run as a reader runs them: real torchrun (--standalone, so concurrent tests never share a port) where
 the reader's command matters (the 3-rank run, a SIGTERM to a bare torchrun, an argument error), plain
 `python` for one process; the other multi-rank runs go through lessonlib.launch, the same torchrun agent
-with each rank forked from it (lessonlib.launcher._forkrank), which shares torch's import and runs the
+with each rank forked from it (lessonlib.launcher.fastpath.forkrank), which shares torch's import and runs the
 same script. Real gloo, every run bounded and every process it started killed after. Specified here:
 
 - the scripts import torch, torchvision and the standard library only, never lessonlib; the adapted
@@ -44,10 +44,9 @@ import pytest
 import torch
 
 import lessonlib
-from lessonlib.launcher.processes import run_bounded, started
+from lessonlib import ROOT, run_bounded, started
 from lessonlib.notebook.scriptdiff import AMP_LINES, read, split_changes
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT, ONE = ROOT / "lessons" / "train_ddp.py", ROOT / "lessons" / "train_one.py"
 REGRESSION = ROOT / "lessons" / "train_regression.py"
 PYTHON, TORCHRUN = sys.executable, str(Path(sys.executable).with_name("torchrun"))

@@ -40,9 +40,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from lessonlib.launcher.processes import BOUNDED_VAR, kill_session, marked_environment, marked_processes, run_bounded
+from lessonlib import ROOT, run_bounded
+from lessonlib.processes.bounded import kill_session, marked_environment
+from lessonlib.processes.marks import marked_processes
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "lessons" / "train_fsdp.py"
 PYTHON, TORCHRUN = sys.executable, str(Path(sys.executable).with_name("torchrun"))
 TIMEOUT = 180
@@ -166,7 +167,7 @@ def test_sigterm_mid_epoch_to_torchrun_then_the_same_command_resumes_bit_exact(t
 def rank_process(mark, rank, deadline):
     """torchrun's worker process for `rank`, among the processes that carry run_bounded's `mark`."""
     while time.monotonic() < deadline:
-        for p in marked_processes(BOUNDED_VAR, mark):
+        for p in marked_processes(mark):
             try:
                 if p.environ().get("RANK") == str(rank) and str(SCRIPT) in p.cmdline():
                     return p

@@ -14,7 +14,7 @@ Debug Adapter Protocol client standing in for VS Code:
   each rank says it listens on its port, the client attaches to each (the "attach to rank r"
   configurations' request), and the run exits 0 once both have a debugger.
 
-Every run is bounded (lessonlib.launcher.processes.run_bounded: everything it started is killed afterwards).
+Every run is bounded (lessonlib.run_bounded: everything it started is killed afterwards).
 """
 
 import importlib.util
@@ -30,9 +30,8 @@ from pathlib import Path
 import pytest
 
 import lessonlib
-from lessonlib.launcher.processes import run_bounded
+from lessonlib import ROOT, run_bounded
 
-ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_JSON = ROOT / ".vscode" / "launch.json"
 LESSON = ROOT / "lessons" / "12_debug_one_rank.py"
 TIMEOUT = 120  # seconds per run; a run that waits for a debugger that never comes ends here

@@ -23,7 +23,7 @@ from pathlib import Path
 import nbformat
 from jupyter_cache.executors.utils import single_nb_execution
 
-from lessonlib.launcher._lifeline import die_with_parent
+from lessonlib.processes.lifeline import die_with_parent
 
 KERNEL_STARTS = 2  # a kernel that dies before its first cell is started once more (died_before_its_first_cell)
 
@@ -102,7 +102,7 @@ def main(argv):
     if len(argv) != 3:
         raise SystemExit(f"usage: python -m lessonlib.book._execute_notebook NOTEBOOK OUT TIMEOUT (got {argv})")
     # If the build that started this process dies, even by SIGKILL, this one gets SIGTERM, on which
-    # nbclient shuts the kernel down (and the kernel's launches end with it: lessonlib.launcher._lifeline).
+    # nbclient shuts the kernel down (and the kernel's launches end with it: lessonlib.processes.lifeline).
     die_with_parent(signal.SIGTERM)
     report = execute(argv[0], argv[1], int(argv[2]))
     print(json.dumps(report), flush=True)

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..launcher.spec import ROOT
+from ..paths import ROOT
 
 BOOK = ROOT / "book"
 KINDS = ("Core", "Deep dive", "Exercise")

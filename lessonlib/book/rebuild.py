@@ -50,8 +50,9 @@ from pathlib import Path
 
 import psutil
 
-from ..launcher.processes import BOUNDED_VAR, kill_session, marked_environment, marked_processes, sigterm_cleans_up
-from ..launcher.spec import ROOT, find_script
+from ..paths import ROOT, find_script
+from ..processes.bounded import kill_session, marked_environment, sigterm_cleans_up
+from ..processes.marks import marked_processes, marks_of
 
 LESSON_PATH = re.compile(r"""["']((?:\.\./)?lessons/[\w./-]+\.py)["']""")
 KEY = "lessonlib_dependencies"  # the field of a cache record's data that holds the dependency key
@@ -186,7 +187,7 @@ def stop_executors(executors):
             executor.proc.terminate()
     deadline = time.monotonic() + STOP_GRACE
     try:  # a second SIGTERM during the grace ends the wait, not the kill
-        while time.monotonic() < deadline and any(marked_processes(BOUNDED_VAR, e.mark) for e in executors):
+        while time.monotonic() < deadline and any(marked_processes(e.mark) for e in executors):
             time.sleep(0.2)
     finally:
         for executor in executors:
@@ -209,11 +210,11 @@ def next_to_start(pending, running, jobs, shares):
 
 
 def _sample(marks, seen):
-    """Note the CPU seconds so far of every live process that carries one of `marks` (BOUNDED_VAR, which
-    every process an executor starts inherits, a Slurm job's too): seen[mark][(pid, start time)] = seconds."""
+    """Note the CPU seconds so far of every live process that carries one of `marks` (an executor's mark,
+    which every process it starts inherits, a Slurm job's too): seen[mark][(pid, start time)] = seconds."""
     for proc in psutil.process_iter():
         try:
-            for mark in set(proc.environ().get(BOUNDED_VAR, "").split(":")) & marks:
+            for mark in set(marks_of(proc.environ())) & marks:
                 times = proc.cpu_times()
                 seen.setdefault(mark, {})[proc.pid, proc.create_time()] = times.user + times.system
         except (psutil.Error, OSError):

@@ -11,9 +11,9 @@ worker starts here and then runs SCRIPT exactly as `python SCRIPT ARGS...` would
 - records how the rank ended (exit code, exception, traceback, time) in a small JSON file, which is
   how `LaunchError` can name the first rank that failed rather than the last one to notice.
 
-The files it writes, and the variables it reads, are the run folder's (lessonlib.launcher._runfolder).
+The files it writes, and the variables it reads, are the run folder's (lessonlib.launcher.runfolder).
 
-It also dies if the torchrun agent dies (`lessonlib.launcher._lifeline`). The traceback printed for an uncaught
+It also dies if the torchrun agent dies (`lessonlib.processes.lifeline`). The traceback printed for an uncaught
 exception leaves out this module's frames: it reads exactly as it would under bare torchrun.
 """
 
@@ -25,8 +25,8 @@ import sys
 import time
 import traceback
 
-from lessonlib.launcher import _runfolder as runfolder
-from lessonlib.launcher._lifeline import die_with_parent
+from lessonlib.launcher import runfolder
+from lessonlib.processes.lifeline import die_with_parent
 
 
 def _redirect_std_streams(run_dir, rank):

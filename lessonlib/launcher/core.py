@@ -7,56 +7,44 @@
 What it guarantees, and how:
 
 - Input is checked before anything starts; a mistake is a ValueError or FileNotFoundError that says
-  what was wrong and what is allowed (lessonlib.launcher.spec).
+  what was wrong and what is allowed (lessonlib.launcher.request).
 - torchrun is `python -m torch.distributed.run` with this interpreter, in its own session, with the
   rendezvous on 127.0.0.1 and port 0 (the kernel picks a free one), so launches never collide. It
   starts through `lessonlib.launcher._agent_main`, which only adds that if this process dies, the agent
-  ends the run itself: every process of it killed, the run folder removed. Where it can, the agent is
-  forked from this process's agent server, which has imported torch once for every launch
-  (lessonlib.launcher._agentserver), and the agent forks the ranks (lessonlib.launcher._forkrank).
+  ends the run itself: every process of it killed, the run folder removed. `start_agent` starts it
+  (lessonlib.launcher.agents): a fresh process, or the same agent forked from a server that has
+  imported torch once (the fast path).
 - Every rank starts in `lessonlib.launcher._rank_main`, which sends its stdout and stderr to files of its own
-  in the run folder (lessonlib.launcher._runfolder): nothing goes through a pipe, so nothing can deadlock
+  in the run folder (lessonlib.launcher.runfolder): nothing goes through a pipe, so nothing can deadlock
   however much a rank prints, and torchrun's own banner and warnings stay apart from the ranks'.
-- Every process of the run carries a marker in its environment. On timeout or interrupt the ranks
-  still running print their Python stacks (SIGUSR1, faulthandler), then every process carrying the
-  marker is killed (lessonlib.launcher.processes); torchrun puts workers in sessions of their own, so killing
-  torchrun's session alone would not be enough. The same scan runs after every launch, so no process
-  of a run outlives it, whatever the outcome.
-- What the ranks recorded, and what the launcher saw, become a RunResult (lessonlib.launcher.result).
+- Every process of the run carries the run's id as its mark (lessonlib.processes.marks). On timeout or
+  interrupt the ranks still running print their Python stacks (SIGUSR1, faulthandler), then every
+  process carrying the mark is killed (lessonlib.launcher.watch); torchrun puts workers in sessions of
+  their own, so killing torchrun's session alone would not be enough. The same scan runs after every
+  launch, so no process of a run outlives it, whatever the outcome.
+- What the ranks recorded, and what the launcher saw, become a RunResult (lessonlib.launcher.result),
+  shown as it goes by a view (lessonlib.view.live).
 """
 
 import codecs
 import contextlib
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 
 import psutil
 
-from . import _agentserver, _loopback
-from . import _runfolder as runfolder
-
-# Names that notebooks, tests and the rest of lessonlib import from here, where launch's pieces lived before
-# they had modules of their own.
-from ._runfolder import RUN_ID_VAR  # noqa: F401
-from .ports import loopback_interface, reserve_port
-from .processes import (
-    STACK_DUMP_GRACE,  # noqa: F401
-    RankWatch,
-    dump_stacks_then_kill,
-    kill_all,
-    run_processes,
-)
-from .result import Ending, LaunchError, RankOutput, RunResult, read_result  # noqa: F401
-from .spec import (
-    RENDEZVOUS,  # noqa: F401
-    ROOT,
-    check_launch,
-)
+from ..machine import loopback_interface
+from ..paths import ROOT
+from ..processes.marks import add_mark, kill_all, new_mark
+from . import runfolder
+from .agents import READ_AFTER_IMPORT, start_agent
+from .ports import reserve_port
+from .request import check_launch
+from .result import Ending, read_result
+from .watch import RankWatch, dump_stacks_then_kill, run_processes
 
 SHOW = ("auto", "html", "text", "none")
 
@@ -86,7 +74,7 @@ def launch(
     `backend` forces the process-group backend that `lessonlib.setup()` picks (default: gloo on CPU,
     nccl with enough GPUs). `launcher='torch.distributed.launch'` uses the deprecated launcher.
     `show`: 'auto' (live HTML in a notebook, prefixed text in a terminal), 'html', 'text' or 'none'
-    (or a view object, as the run panel passes: see lessonlib.launcher.display.NullView).
+    (or a view object, as the run panel passes: see lessonlib.view.live.NullView).
     `stop`: a threading.Event; setting it (from another thread: the run panel's Stop button) ends the
     run as an interrupt does, every process killed, and the result has `interrupted` set.
     `max_restarts`: torchrun's --max-restarts (chapter 12): after a rank fails, every rank is stopped
@@ -94,7 +82,7 @@ def launch(
     after the other, and its status is the last attempt's.
     `hosts`: a lessonlib.Hosts (or a list of its hosts), chapter 16: one torchrun agent on each host, in its
     network namespace, with the c10d rendezvous on the first host's address, as on separate machines.
-    `torchrun_args`: more torchrun options, e.g. ['--rdzv-conf=read_timeout=5'] (see spec.TORCHRUN_OPTIONS).
+    `torchrun_args`: more torchrun options, e.g. ['--rdzv-conf=read_timeout=5'] (see request.TORCHRUN_OPTIONS).
     On this machine's own network (no `hosts`), the ranks' gloo listens on the loopback interface only
     (GLOO_SOCKET_IFNAME, and NCCL_SOCKET_IFNAME), unless this process's environment or `env` sets it.
     Does not raise when the lesson fails: call `.raise_for_status()` for that.
@@ -124,7 +112,7 @@ def launch(
     if stop is not None and not callable(getattr(stop, "is_set", None)):
         raise ValueError(f"stop must be a threading.Event (or None); got {stop!r}")
 
-    from .display import make_view
+    from ..view.live import make_view
 
     view = make_view(show, spec.shown, list(spec.args), spec.nproc, spec.nnodes) if isinstance(show, str) else show
     # Several agents must be told one rendezvous port in advance; a single --standalone agent picks its own.
@@ -146,7 +134,7 @@ class _Run:
 
     def __init__(self, spec, view):
         self.spec, self.view = spec, view
-        self.id = uuid.uuid4().hex
+        self.id = new_mark()  # the run's id is its mark: every process of it carries it
         self.dir = tempfile.mkdtemp(prefix=f"lessonlib-{self.id[:8]}-")
         self.agents, self.agent_logs = [], []
         self.tails = {
@@ -164,23 +152,10 @@ class _Run:
             log = open(runfolder.agent_log(self.dir, node), "wb")
             self.agent_logs.append(log)
             cmd = _agent_command(self.spec, node, self.id, self.dir, port)
-            # Forked from this process's agent server where it can be (torch imported there once), else
-            # the command itself: the same agent either way (lessonlib.launcher._agentserver).
-            # On a lessonlib.Hosts host, from a server of that host's (in its namespaces).
+            # On a lessonlib.Hosts host, in that host's namespaces (the command's prefix).
             prefix = self.spec.hosts[node].prefix() if self.spec.hosts else ()
-            own_env = bool(set(self.spec.env) - set(_agentserver.READ_AFTER_IMPORT))
-            agent = _agentserver.start_agent(cmd, env, self.spec.cwd, log, own_env=own_env, prefix=prefix)
-            if agent is None:
-                agent = psutil.Popen(
-                    cmd,
-                    cwd=self.spec.cwd,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=log,
-                    start_new_session=True,
-                )
-            self.agents.append(agent)
+            own_env = bool(set(self.spec.env) - set(READ_AFTER_IMPORT))
+            self.agents.append(start_agent(cmd, env, self.spec.cwd, log, own_env=own_env, prefix=prefix))
 
     def wait(self, stop):
         """Until every agent has exited, the time is up, or `stop` is set; show the ranks' lines meanwhile."""
@@ -245,11 +220,10 @@ class _Run:
 
 
 def _environment(spec, run_id, run_dir):
-    """Every process of the run: this process's environment, the caller's `env`, and the run folder's variables."""
+    """Every process of the run: this process's environment, the caller's `env`, the run's mark (last of
+    its marks) and the run folder's variables."""
     env = {
-        **os.environ,
-        **spec.env,
-        runfolder.RUN_ID_VAR: run_id,
+        **add_mark({**os.environ, **spec.env}, run_id),
         runfolder.RUN_DIR_VAR: run_dir,
         runfolder.LAUNCHER_PID_VAR: str(os.getpid()),
         "PYTHONUNBUFFERED": "1",  # ranks write to files: flush each line for the live view
@@ -264,9 +238,9 @@ def _environment(spec, run_id, run_dir):
         # The rendezvous is on 127.0.0.1, but gloo and NCCL pick their own interface, from what this machine's
         # hostname resolves to: on a laptop, its address on the LAN, where every rank would listen while the
         # lesson runs. A one-machine run needs loopback alone (chapter 16).
-        # torch's stores listen on every address unless told a socket: lessonlib.launcher._loopback.
-        if not any(var in spec.env or var in os.environ for var in _loopback.INTERFACE_VARS):
-            env.update(dict.fromkeys(_loopback.INTERFACE_VARS, loopback), **{_loopback.LOOPBACK_VAR: "127.0.0.1"})
+        # torch's stores listen on every address unless told a socket: lessonlib.launcher.torchpatches.
+        if not any(var in spec.env or var in os.environ for var in runfolder.INTERFACE_VARS):
+            env.update(dict.fromkeys(runfolder.INTERFACE_VARS, loopback), **{runfolder.STORES_ON_VAR: "127.0.0.1"})
     if spec.max_restarts and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in spec.env:
         # torch 2.14.1, --standalone: ranks started again sometimes read the previous attempt's gloo
         # addresses from the rendezvous store they share with the agent, and fail to connect ("Connection

@@ -11,8 +11,6 @@ debugger on every rank).
 
 import contextlib
 import socket
-import sys
-from pathlib import Path
 
 TRIES = 50  # attempts at finding `count` consecutive free ports before giving up
 
@@ -56,22 +54,3 @@ def reserve_port(host="127.0.0.1", count=1):
                 sock.close()
         return
     raise RuntimeError(f"found no {count} consecutive free ports on {host} in {TRIES} tries")
-
-
-IFF_LOOPBACK = 0x8
-
-
-def loopback_interface():
-    """The name of this machine's loopback interface ('lo' on Linux, 'lo0' on macOS), or None if none is found."""
-    if sys.platform.startswith("linux"):
-        for flags in sorted(Path("/sys/class/net").glob("*/flags")):
-            try:
-                if int(flags.read_text(), 16) & IFF_LOOPBACK:
-                    return flags.parent.name
-            except (OSError, ValueError):
-                continue
-        return None
-    try:
-        return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
-    except OSError:
-        return None

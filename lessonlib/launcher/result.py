@@ -3,10 +3,11 @@
     run.ok, run.ranks[1].stdout, run.root_cause, run.raise_for_status()
 
 How a run is told (its status line, one line per rank, the failure story, the HTML and text views) is
-lessonlib.launcher.display's; the methods here that return text call it.
+lessonlib.view's; the methods here that return text call it. How each rank ended is a RunStatus
+(lessonlib.launcher.status).
 
 `read_result` builds the RunResult from two sources. The ranks' own records in the run folder
-(lessonlib.launcher._runfolder) come first: their output, when each started and ended, the exception that
+(lessonlib.launcher.runfolder) come first: their output, when each started and ended, the exception that
 ended it. A rank that left no exit record (os._exit, a signal, a kill on timeout) is judged from what
 the launcher saw instead (an Ending): when its process disappeared, whether the run timed out or was
 interrupted, and the exit code torchrun reported for it.
@@ -16,7 +17,8 @@ import re
 import signal
 from dataclasses import dataclass, field
 
-from . import _runfolder as runfolder
+from . import runfolder
+from .status import RunStatus
 
 
 class LaunchError(RuntimeError):
@@ -35,7 +37,7 @@ class RankOutput:
     stdout: str = ""
     stderr: str = ""
     exitcode: int | None = None  # None: the rank left no exit record (killed by a signal)
-    status: str = "not started"  # ok | failed | hung | interrupted | terminated | not started
+    status: RunStatus = RunStatus.NOT_STARTED
     pid: int | None = None
     start: float | None = None
     end: float | None = None
@@ -65,9 +67,6 @@ class RunResult:
     interrupted: bool = False
     leftovers: list = field(default_factory=list)  # processes that outlived the run and were killed
     agent_pids: list = field(default_factory=list)  # torchrun agent pid per node, in --node-rank order
-    _shown_in_cell = (
-        None  # not a field: the IPython cell whose launch view showed this run (lessonlib.launcher.display)
-    )
 
     @property
     def world_size(self):
@@ -95,7 +94,7 @@ class RunResult:
         from each rank's exit record or, for a rank that died without one (os._exit, a signal), from
         when the launcher saw its process disappear.
         """
-        failed = [r for r in self.ranks if r.status == "failed"]
+        failed = [r for r in self.ranks if r.status == RunStatus.FAILED]
         if not failed:
             return None
         return min(failed, key=lambda r: (_is_collateral(r), r.end if r.end is not None else float("inf")))
@@ -108,7 +107,7 @@ class RunResult:
         run out) fails nothing itself, and its peers fail with "Connection closed by peer": then the
         culprit is among these, not among the failed ranks (chapter 12).
         """
-        failed = [r for r in self.ranks if r.status == "failed"]
+        failed = [r for r in self.ranks if r.status == RunStatus.FAILED]
         if not failed or not all(_is_collateral(r) for r in failed):
             return []
         first = min((r.end for r in failed if r.end is not None), default=None)
@@ -133,8 +132,8 @@ class RunResult:
 
     def describe_failure(self):
         """What went wrong: a headline, one line per rank (how it ended, where it was), then the root
-        cause's traceback and the stacks of ranks that were stopped (the text lives in lessonlib.launcher.display)."""
-        from .display import describe_failure
+        cause's traceback and the stacks of ranks that were stopped (the text is lessonlib.view.story's)."""
+        from ..view.story import describe_failure
 
         return describe_failure(self)
 
@@ -144,18 +143,18 @@ class RunResult:
         return min(starts) if starts else None
 
     def _repr_html_(self):
-        from .display import render_html
+        from ..view.html import render_html
 
         return render_html(self)
 
     def _ipython_display_(self):
         # As _repr_html_, but not again in the cell whose launch view already shows this run.
-        from .display import display_result
+        from ..view.live import display_result
 
         display_result(self)
 
     def __str__(self):
-        from .display import render_text
+        from ..view.story import render_text
 
         return render_text(self)
 
@@ -236,10 +235,10 @@ def _as_recorded(run_dir, rank):
     r.reports.extend(runfolder.read_reports(run_dir, rank))
     start, done = runfolder.read_start(run_dir, rank), runfolder.read_exit(run_dir, rank)
     if start:
-        r.pid, r.start, r.status = start["pid"], start["time"], "terminated"
+        r.pid, r.start, r.status = start["pid"], start["time"], RunStatus.TERMINATED
     if done:
         r.exitcode, r.end = done["exitcode"], done["end"]
-        r.status = "ok" if r.exitcode == 0 else "failed"
+        r.status = RunStatus.OK if r.exitcode == 0 else RunStatus.FAILED
         if done.get("exc_type"):
             r.error = f"{done['exc_type']}: {done.get('message', '')}".rstrip(": ")
             r.traceback = done.get("traceback", "")
@@ -250,18 +249,18 @@ def _judge_unrecorded(r, ending, torchrun_exitcode):
     """A rank that started but left no exit record: its end, exit code and status from the launcher's view."""
     r.end = ending.gone_at.get(r.rank)
     if ending.timed_out or ending.interrupted:
-        r.status = "hung" if ending.timed_out else "interrupted"
+        r.status = RunStatus.HUNG if ending.timed_out else RunStatus.INTERRUPTED
     elif all(rc == 0 for rc in ending.returncodes):
-        r.exitcode, r.status = 0, "ok"  # torchrun saw it exit 0 (e.g. via os._exit)
+        r.exitcode, r.status = 0, RunStatus.OK  # torchrun saw it exit 0 (e.g. via os._exit)
     elif torchrun_exitcode is not None and torchrun_exitcode > 0:
-        r.exitcode, r.status = torchrun_exitcode, "failed"  # os._exit(n): no Python-level record, a real failure
+        r.exitcode, r.status = torchrun_exitcode, RunStatus.FAILED  # os._exit(n): no Python record, a real failure
         r.error = f"exit code {r.exitcode}"
     elif torchrun_exitcode is not None and torchrun_exitcode < 0:
         sig = -torchrun_exitcode
         name = signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)
-        r.exitcode, r.status, r.error = torchrun_exitcode, "failed", f"killed by {name}"
+        r.exitcode, r.status, r.error = torchrun_exitcode, RunStatus.FAILED, f"killed by {name}"
         if sig == signal.SIGTERM:
-            r.status = "terminated"  # torchrun stopping the group after another failure
+            r.status = RunStatus.TERMINATED  # torchrun stopping the group after another failure
     else:
         r.exitcode = torchrun_exitcode  # 0 or unknown: still "terminated"
 

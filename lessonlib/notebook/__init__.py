@@ -9,6 +9,9 @@
 - `glue`: a number the prose states, taken from this execution (MyST-NB's `{glue:text}` role).
 - `ncclmessages`: chapter 12's table of what NCCL prints and the other torch messages it quotes, each
   looked up in the installed torch (tests/test_nccl_messages.py).
+- `gpucapture`: what `make gpu-check` saw on a GPU machine (book/captured/gpu_check.json), labelled.
+- `table`: `show_table`, a list of dicts as a table (HTML in a notebook, aligned text in a terminal).
 
-Nothing is imported here: `lessonlib.panel`, `show_code` and `plot_ranks` import their module on first use.
+Nothing is imported here: `lessonlib.panel`, `show_code`, `plot_ranks` and `show_table` import their module on
+first use.
 """

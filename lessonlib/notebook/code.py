@@ -22,7 +22,8 @@ import html
 import re
 import textwrap
 
-from ..launcher.spec import ROOT, resolve_script
+from ..launcher.request import resolve_script
+from ..paths import ROOT
 
 MARKER = re.compile(r"^\s*# \[(start|end): ([\w.-]+)\]\s*$")
 ACCENT = "#3b6ea5"  # the rule and the caption's edge: the course's blue, also used for rank columns

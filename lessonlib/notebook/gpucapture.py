@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from ..launcher.spec import ROOT
+from ..paths import ROOT
 
 CAPTURE = ROOT / "book" / "captured" / "gpu_check.json"
 KEY_LINES = re.compile(r"^(running:.*|epoch \d+:.*|stopped at epoch.*|resumed .*|.*nothing left to do.*)$", re.M)
@@ -59,7 +59,7 @@ def rows(prefix, capture):
 
 def show(prefix, path=CAPTURE):
     """Show the captured GPU cases whose names start with `prefix`, labelled; or say none was captured."""
-    from ..launcher.display import show_table
+    from .table import show_table
 
     capture = load(path)
     if capture is None or not rows(prefix, capture):

@@ -19,7 +19,7 @@ import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..launcher.spec import ROOT
+from ..paths import ROOT
 
 # Where lessons/12_nccl.py's output, run on a GPU, is kept for readers without one.
 CAPTURE = ROOT / "book" / "captured" / "12_nccl_gpu.json"

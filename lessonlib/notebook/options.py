@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..launcher.spec import ROOT
+from ..paths import ROOT
 
 KINDS = ("switch", "bool", "choice", "int", "float", "text")
 SPEC_TIMEOUT = 60  # seconds to read a lesson's options (it imports torch)

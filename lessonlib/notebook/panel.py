@@ -38,8 +38,10 @@ import threading
 import ipywidgets as widgets
 
 from ..launcher.core import launch
-from ..launcher.display import HtmlLiveView, command_line
-from ..launcher.spec import ROOT, ranks_problem, resolve_script
+from ..launcher.request import ranks_problem, resolve_script
+from ..paths import ROOT
+from ..view.live import HtmlLiveView
+from ..view.story import command_line
 from .options import LessonOptions, run_argspec
 
 MAX_RANKS = 4  # each rank is a Python process with torch loaded; the panel is for a laptop

@@ -17,7 +17,7 @@ import difflib
 import re
 from dataclasses import dataclass
 
-from ..launcher.spec import resolve_script
+from ..launcher.request import resolve_script
 from .code import Code
 
 # A line that belongs to mixed precision in lessons/train_ddp.py.

@@ -1,5 +1,5 @@
 """What a rank sees of its own process as it starts, reported for tests/test_forkrank.py to compare a rank
-forked from the torchrun agent (lessonlib.launcher._forkrank) with a fresh `python` one."""
+forked from the torchrun agent (lessonlib.launcher.fastpath.forkrank) with a fresh `python` one."""
 
 import atexit
 import os
@@ -41,12 +41,12 @@ at_start.update(
     {
         "intra-op threads": torch.get_num_threads(),
         "parent is the agent": any(
-            m in parent for m in ("lessonlib.launcher._agent_main", "lessonlib.launcher._agentserver")
+            m in parent for m in ("lessonlib.launcher._agent_main", "lessonlib.launcher.fastpath.agentserver")
         ),
         "command line": next(
             m
             for m in (
-                "lessonlib.launcher._agentserver",
+                "lessonlib.launcher.fastpath.agentserver",
                 "lessonlib.launcher._agent_main",
                 "lessonlib.launcher._rank_main",
             )

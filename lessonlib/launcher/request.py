@@ -3,19 +3,19 @@
 `check_launch` turns launch's arguments into one frozen LaunchSpec, or raises a ValueError or
 FileNotFoundError that says what was wrong and what is allowed. Only the standard library is needed
 here (torch only to check 'nccl'), so `python -m lessonlib --help` can read the bounds without
-importing the launcher.
+importing `launch` (lessonlib.launcher.core) or psutil.
 """
 
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from ._runfolder import PREFIX
+from ..machine import nvidia_devices
+from ..paths import ROOT, find_script, script_candidates
+from .runfolder import PREFIX
 
-ROOT = Path(__file__).resolve().parents[2]  # the course checkout: lessons/ and book/ live here
 MAX_NPROC = 16  # ranks per node; each is a whole Python process with torch loaded (~0.3 GB each)
 MAX_NNODES = 4  # simulated nodes on this one machine
 MAX_TIMEOUT = 3600.0
@@ -59,7 +59,7 @@ class LaunchSpec:
     rendezvous: str  # how several agents meet: 'c10d' or 'static'
     cwd: Path  # where the agents and ranks run
     max_restarts: int = 0  # torchrun restarts every rank this many times at most after one fails
-    hosts: tuple = ()  # the lessonlib.launcher.hosts.Host of each agent (chapter 16); () for this machine
+    hosts: tuple = ()  # the lessonlib.cluster.hosts.Host of each agent (chapter 16); () for this machine
     torchrun_args: tuple = ()  # more torchrun options, after the launcher's own (the last of a repeated one wins)
 
     @property
@@ -131,10 +131,10 @@ def check_launch(
 
 
 def _check_hosts(hosts):
-    """() or the hosts as a tuple of lessonlib.launcher.hosts.Host, each still there."""
+    """() or the hosts as a tuple of lessonlib.cluster.hosts.Host, each still there."""
     if hosts is None:
         return ()
-    from lessonlib.launcher.hosts import Host, Hosts
+    from ..cluster.hosts import Host, Hosts
 
     if isinstance(hosts, Hosts):
         if hosts.closed:
@@ -164,22 +164,6 @@ def _check_torchrun_args(options):
                 f"(the launcher sets the others); got {o!r}"
             )
     return tuple(options)
-
-
-def script_candidates(script, bases=(), here=None):
-    """Where a lesson named `script` may be, first match wins: as given if absolute; else relative to each
-    of `bases`, then to the working folder `here` (default: this process's), then to the course root
-    (notebooks run in book/, lessons live in lessons/). The one lookup rule of launch, the terminal runner
-    and the book's rebuild cache."""
-    path = Path(script)
-    if path.is_absolute():
-        return [path]
-    return list(dict.fromkeys(Path(b) / path for b in [*bases, here or Path.cwd(), ROOT]))
-
-
-def find_script(script, bases=(), here=None):
-    """The first of script_candidates that is a file, resolved; or None."""
-    return next((c.resolve() for c in script_candidates(script, bases, here) if c.is_file()), None)
 
 
 def resolve_script(script, cwd=None):
@@ -255,11 +239,6 @@ def _check_env(env):
                 f"overridden; reserved: {', '.join(RESERVED_ENV)} and {PREFIX}*"
             )
     return dict(env)
-
-
-def nvidia_devices():
-    """Whether this machine shows NVIDIA GPU devices (/dev/nvidia0, ...), without importing torch."""
-    return sys.platform.startswith("linux") and any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def check_backend(backend, ranks_per_node):

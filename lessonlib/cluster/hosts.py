@@ -16,7 +16,7 @@ both ends of its cable), its link up or down (`set_link`), its `/etc/hosts` (`wr
 which TCP ports it may reach (`block_tcp`: tc filters that drop every TCP packet it sends but those to or
 from the ports allowed, as a dropping firewall would; no iptables needed).
 
-Cleanup. Before it creates a namespace or a file, `Hosts` tells a keeper process (lessonlib/launcher/_netkeeper.py,
+Cleanup. Before it creates a namespace or a file, `Hosts` tells a keeper process (lessonlib/cluster/_netkeeper.py,
 in a session of its own) its name. On leaving the `with` block, normally, by an exception or by Ctrl-C,
 and also when this process dies without running any code (a notebook kernel killed), the keeper's input
 closes, and it kills every process inside the namespaces, deletes them and removes the files.
@@ -195,7 +195,10 @@ def _check(n, names, addresses, rates):
 
 
 class Hosts:
-    """`n` hosts (2 to 4) on one switch; see the module's docstring. Use it as a context manager."""
+    """`n` hosts (2 to 4) on one switch; see the module's docstring. Use it as a context manager.
+    `Hosts.unavailable()` says why hosts cannot be made here, or None."""
+
+    unavailable = staticmethod(unavailable)
 
     def __init__(self, n=2, *, names=None, addresses=None, rates=None):
         self._names, self._addresses, self._rates = _check(n, names, addresses, rates)
@@ -279,13 +282,13 @@ class Hosts:
         self.closed = True
         with self._lock:
             procs, self._procs = self._procs, []
-        from .processes import kill_session
+        from ..processes.bounded import kill_session
 
         for proc in procs:
             kill_session(proc)
-        from . import _agentserver  # lessonlib.launch's agent servers on these hosts (imports psutil)
+        from ..launcher.agents import forget_hosts  # lessonlib.launch's agent servers on these hosts
 
-        _agentserver.close_servers([h.prefix() for h in self.hosts])
+        forget_hosts([h.prefix() for h in self.hosts])
         try:  # communicate() closes the keeper's input: it removes everything now
             out, _ = self._keeper.communicate(timeout=CLOSE_BOUND)
         except subprocess.TimeoutExpired:
@@ -327,8 +330,8 @@ class Hosts:
         return self._host(host).prefix()
 
     def run(self, host, argv, timeout=30, *, env=None, input=None):
-        """Run `argv` on `host`, bounded (lessonlib.launcher.processes.run_bounded); returns its Finished."""
-        from lessonlib.launcher.processes import run_bounded
+        """Run `argv` on `host`, bounded (lessonlib.processes.bounded.run_bounded); returns its Finished."""
+        from ..processes.bounded import run_bounded
 
         self._live()
         return run_bounded([*self.prefix(host), *map(str, argv)], timeout, env=env, input=input)
@@ -419,51 +422,6 @@ class Hosts:
                 )
             _cmd(*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *_shaper(mbit))
             _cmd(*tc, "qdisc", "add", "dev", dev, "parent", "1:2", "handle", "20:", "pfifo", "limit", "0")
-
-
-TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "06": "TIME_WAIT", "0A": "LISTEN", "08": "CLOSE_WAIT"}
-
-
-def parse_proc_net_tcp(text):
-    """Rows of /proc/net/tcp (and tcp6) as (state, local address, local port, remote address, remote port)."""
-    rows = []
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) < 4 or fields[0] == "sl":
-            continue
-        (local, remote), state = fields[1:3], fields[3]
-        rows.append((TCP_STATES.get(state, state), *_address(local), *_address(remote)))
-    return rows
-
-
-def own_tcp_sockets(pid="self"):
-    """The TCP sockets process `pid` holds open (this one by default), as parse_proc_net_tcp's rows: its
-    file descriptors' socket inodes looked up in its network namespace's /proc/PID/net/tcp and tcp6."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    text = ""
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            if line.split()[9] in inodes:
-                text += line + "\n"
-    return parse_proc_net_tcp(text)
-
-
-def _address(field):
-    hexaddr, hexport = field.split(":")
-    raw = bytes.fromhex(hexaddr)
-    if len(raw) == 4:
-        ip = ipaddress.IPv4Address(raw[::-1])
-    else:  # four 32-bit words, each in host (little-endian) order
-        ip = ipaddress.IPv6Address(b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
-        ip = ip.ipv4_mapped or ip
-    return str(ip), int(hexport, 16)
 
 
 def _shaper(mbit):

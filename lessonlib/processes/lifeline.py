@@ -3,8 +3,8 @@
 `lessonlib.launch` kills the whole run on timeout, error or interrupt. If the launcher itself dies
 (a notebook kernel restarted or killed), nobody is left to do that: the torchrun agent then ends
 the run itself (lessonlib.launcher._agent_main), and each rank asks the kernel for SIGKILL when its parent,
-the agent, exits, in case the agent died too hard to stop it. Elsewhere than Linux this is a
-no-op; the launcher's own cleanup still applies.
+the agent, exits, in case the agent died too hard to stop it. The book's chapter executor ties itself
+to the build the same way. Elsewhere than Linux this is a no-op; the launcher's own cleanup still applies.
 """
 
 import ctypes

@@ -3,11 +3,12 @@
 torchrun starts every rank as a new process: `python -u -m lessonlib.launcher._rank_main SCRIPT ARGS`. Each one
 then imports torch (about 2 CPU-seconds) and, at its first optimizer, torch._dynamo (about 2 more),
 which the agent has already paid for. On a 2-core machine a small lesson's run is mostly those
-imports. So in the agent (lessonlib.launcher._agent_main) this module replaces the one step of torchrun that
-starts a worker, `SubprocessHandler._popen`: for that exact command it forks the agent instead, and the
-child becomes the rank a fresh `python` would have been, then runs lessonlib.launcher._rank_main in-process.
-Everything else is torchrun's own: its rendezvous, its environment for each rank, its watching,
-stopping, restarting and failure summary, which see a child process with a pid, as before.
+imports. So in the agent (lessonlib.launcher._agent_main) the one step of torchrun that starts a worker
+calls this module for that exact command (lessonlib.launcher.torchpatches.fork_workers): it forks the
+agent, and the child becomes the rank a fresh `python` would have been, then runs
+lessonlib.launcher._rank_main in-process. Everything else is torchrun's own: its rendezvous, its
+environment for each rank, its watching, stopping, restarting and failure summary, which see a child
+process with a pid.
 
 What the child resets, so that a rank cannot tell the difference in what it computes or prints:
 
@@ -20,17 +21,19 @@ What the child resets, so that a rank cannot tell the difference in what it comp
   thread count from OMP_NUM_THREADS as torch reads it at start, unbuffered stdout and stderr (`-u`);
 - lessonlib's modules dropped, so the lesson imports what it uses, as a fresh process would;
 - at the end, what the interpreter does at exit (non-daemon threads joined, atexit functions run,
-  streams flushed), then the exit status, as a number or a signal, as before.
+  streams flushed), then the exit status, as a number or a signal.
 
 What differs, and is visible only from outside: the rank's command line (`ps`, `pgrep -f`) is the
-agent's (or, for an agent forked from the agent server, lessonlib.launcher._agentserver, the server's);
-/proc/PID/environ shows the agent's variables, the run's marker among them (lessonlib.launcher.processes finds the
-rank by it as before); and the string hash seed is the agent's (PYTHONHASHSEED). A machine with NVIDIA
-devices, or LESSONLIB_FRESH_RANKS=1 in the launch's environment, gets torchrun's own fresh processes: a
-CUDA driver touched in the agent would not survive a fork. The chapters' torchrun commands that readers
-type start fresh processes: this is `launch`'s alone.
+agent's (or, for an agent forked from the agent server, lessonlib.launcher.fastpath.agentserver, the
+server's); /proc/PID/environ shows the agent's variables, the run's mark among them (the launcher finds
+the rank by it: lessonlib.processes.marks); and the string hash seed is the agent's (PYTHONHASHSEED).
+A machine with NVIDIA devices, or LESSONLIB_FRESH_RANKS=1 in the launch's environment, gets torchrun's
+own fresh processes: a CUDA driver touched in the agent would not survive a fork. The chapters'
+torchrun commands that readers type start fresh processes: this is `launch`'s alone.
 
-`become` is also how lessonlib.launcher._agentserver turns a fork of itself into a torchrun agent.
+`become` is also how lessonlib.launcher.fastpath.agentserver turns a fork of itself into a torchrun agent.
+It leans on three private CPython names, each for what the interpreter does on its own at start or exit:
+`warnings._filters_mutated` (the filters' cache), `threading._shutdown` and `atexit._run_exitfuncs`.
 """
 
 import atexit
@@ -49,7 +52,8 @@ import traceback
 import warnings
 import weakref
 
-from lessonlib.launcher.spec import nvidia_devices
+from lessonlib.launcher import torchpatches
+from lessonlib.machine import nvidia_devices
 
 FRESH_VAR = "LESSONLIB_FRESH_RANKS"  # "1": every rank a fresh `python`, as torchrun alone starts them
 RANK_MODULE = "lessonlib.launcher._rank_main"
@@ -66,22 +70,14 @@ def wanted(environ=os.environ):
 
 
 def install():
-    """In the agent, after `import torch` and before torchrun runs: save the fresh state, patch torchrun."""
+    """In the agent, after `import torch` and before torchrun runs: save the fresh state, and have torchrun
+    fork each rank (where the guard finds torch as this was written for: else fresh ranks, and a warning)."""
     global _saved
     import torch  # noqa: F401 - the state saved below is that of a fresh process with torch imported
 
     import_dynamo()  # the first optimizer of every training rank imports it (2 CPU-seconds): pay once, here
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
-
     _saved = snapshot()
-    original = subprocess_handler.SubprocessHandler._popen
-
-    def _popen(self, args, env):
-        if len(args) > 4 and args[0] == sys.executable and list(args[1:4]) == ["-u", "-m", RANK_MODULE]:
-            return ForkedRank(list(args[4:]), env, self._stdout, self._stderr)
-        return original(self, args, env)
-
-    subprocess_handler.SubprocessHandler._popen = _popen
+    torchpatches.fork_workers(RANK_MODULE, ForkedRank)
     # Every object so far moves out of the collector's reach: a child's collections then never write to
     # (and so copy) the pages the agent's objects live on.
     gc.freeze()

@@ -1,13 +1,10 @@
-"""Find every process of a run, ask the hung ranks where they are, and kill them all (chapter 1).
+"""Run any command bounded, and leave nothing of it behind (the tests, the book's executor, chapters 11 and 12).
 
-Every process of a launch carries the run's marker in its environment (lessonlib.launcher._runfolder.RUN_ID_VAR).
-torchrun puts its workers in sessions of their own, and a rank's children (DataLoader workers) may
-outlive their parent, so neither a process tree nor a session finds them all: the marker does.
-
-`run_bounded` applies the same rule to any command (a script that spawns its own ranks, a book build,
-a notebook run): it runs in a session of its own with a marker, for at most `timeout` seconds, and
-whatever way it ends, every process carrying the marker is killed. The launcher, the tests, the book's
-executor and chapter 11 all go through it (or, for torchrun launches, `dump_stacks_then_kill`).
+`run_bounded` runs a command (a script that spawns its own ranks, a book build, a notebook run) in a
+session of its own with a mark (lessonlib.processes.marks), for at most `timeout` seconds, and whatever way
+it ends, every process carrying the mark is killed. `started` does the same for a command that runs in
+the background while a cell inspects it. `sigterm_cleans_up` makes a SIGTERM to this process run that
+cleanup first.
 """
 
 import contextlib
@@ -17,117 +14,9 @@ import subprocess
 import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 
-import psutil
-
-from . import _runfolder as runfolder
-
-STACK_DUMP_GRACE = 2.0  # seconds a hung rank gets to print its stack before it is killed
-# Every process of a run_bounded command carries this, a list of ids: one per run_bounded it runs
-# inside (a bounded command may start bounded commands; killing the outer one reaches them all).
-BOUNDED_VAR = "LESSONLIB_BOUNDED_IDS"
-
-
-def marked_processes(var, value):
-    """Every live process (not this one) whose environment has `var` set to `value`, or to a
-    colon-separated list that holds it."""
-    found = []
-    for p in psutil.process_iter():
-        if p.pid == os.getpid():
-            continue
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and value in p.environ().get(var, "").split(":"):
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            pass
-    return found
-
-
-def run_processes(run_id):
-    """Every live process whose environment carries this run's marker (children of children too)."""
-    return marked_processes(runfolder.RUN_ID_VAR, run_id)
-
-
-def kill_all(procs):
-    """SIGKILL each of `procs` (psutil.Process objects) and wait for them to go, at most 5 s."""
-    for p in procs:
-        try:
-            p.kill()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    psutil.wait_procs(procs, timeout=5)
-
-
-class RankWatch:
-    """Notes when each rank's process disappears: the end time of a rank that left no exit record.
-
-    A rank that torchrun starts again (launch(max_restarts=...), chapter 12) writes a new start record
-    with a new pid: the watch then follows the new process, and its end is the last attempt's.
-    """
-
-    def __init__(self, run_dir, world):
-        self.run_dir, self.world = run_dir, world
-        self.procs, self.ended, self.pids = {}, {}, {}
-
-    def poll(self):
-        now = time.time()
-        for rank in range(self.world):
-            if rank in self.ended and not self._restarted(rank):
-                continue
-            if rank not in self.pids:
-                start = runfolder.read_start(self.run_dir, rank)
-                if start is None:
-                    continue
-                self.pids[rank] = start["pid"]
-                try:
-                    self.procs[rank] = psutil.Process(start["pid"])
-                except psutil.NoSuchProcess:
-                    self.ended[rank] = now
-                    continue
-            try:
-                gone = self.procs[rank].status() == psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                gone = True
-            if gone:
-                self.ended[rank] = now
-
-    def _restarted(self, rank):
-        """True, and the rank watched afresh, when its start record names a process other than the one
-        that ended (torchrun started it again)."""
-        start = runfolder.read_start(self.run_dir, rank)
-        if start is None or start["pid"] == self.pids.get(rank):
-            return False
-        self.procs.pop(rank, None)
-        del self.pids[rank], self.ended[rank]
-        return True
-
-    def running(self):
-        """Ranks whose process has started and not yet ended."""
-        self.poll()
-        return [rank for rank in self.procs if rank not in self.ended]
-
-
-def dump_stacks_then_kill(run_id, watch):
-    """Ask every rank still running for its Python stack, give it a moment to print, then kill all."""
-    signalled = []
-    for rank in watch.running():
-        try:
-            watch.procs[rank].send_signal(signal.SIGUSR1)  # psutil refuses if the pid was reused
-            signalled.append(runfolder.output_file(watch.run_dir, rank, "stderr"))
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    # faulthandler writes from its signal handler at once; wait until the stderr files stop growing.
-    end = time.monotonic() + STACK_DUMP_GRACE
-    sizes = None
-    while signalled and time.monotonic() < end:
-        time.sleep(0.1)
-        now = [os.path.getsize(p) if os.path.exists(p) else 0 for p in signalled]
-        if now == sizes:
-            break
-        sizes = now
-    kill_all(run_processes(run_id))
+from .marks import add_mark, kill_marked, new_mark
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,10 +123,8 @@ def sigterm_cleans_up():
 def marked_environment(env=None):
     """(env with a new run_bounded mark added, the mark): for a command started some other way
     (with start_new_session=True) that kill_session(proc, mark) must end with all it started."""
-    mark = uuid.uuid4().hex
-    env = dict(os.environ if env is None else env)
-    env[BOUNDED_VAR] = ":".join(filter(None, [env.get(BOUNDED_VAR), mark]))
-    return env, mark
+    mark = new_mark()
+    return add_mark(dict(os.environ if env is None else env), mark), mark
 
 
 def kill_session(proc, mark=None):
@@ -250,7 +137,7 @@ def kill_session(proc, mark=None):
             pass
     proc.wait()  # reaped here, before the scan: psutil would reap it otherwise, and its exit code be lost
     if mark is not None:
-        kill_all(marked_processes(BOUNDED_VAR, mark))
+        kill_marked(mark)
 
 
 class Started:

@@ -1,30 +1,32 @@
 """torchrun agents forked from one server per launching process, which has imported torch once.
 
 Every `lessonlib.launch` starts a torchrun agent, `python -m lessonlib.launcher._agent_main ...`, which imports
-torch and torch._dynamo (about 4 CPU-seconds) and then forks the ranks from itself (lessonlib.launcher._forkrank).
+torch and torch._dynamo (about 4 CPU-seconds) and then forks the ranks from itself
+(lessonlib.launcher.fastpath.forkrank).
 A chapter launches a dozen times or more, each paying for those imports again. So at its first launch
 the launching process (a notebook kernel, a test worker, the terminal runner) starts this server, which
 imports them once, and every launch forks its agent from it. The child becomes what the fresh agent
-would have been, by the same `_forkrank.become` that makes a forked rank what a fresh rank would be: a
+would have been, by the same `forkrank.become` that makes a forked rank what a fresh rank would be: a
 session of its own, the launch's environment and working folder, its log file on stdout and stderr,
 signal handlers and interpreter state as a fresh start leaves them, then `lessonlib.launcher._agent_main` run as
-`python -m` runs it. Everything after that is as before.
+`python -m` runs it. From there on it is the agent a fresh process would be.
 
-Which launches take this path: those whose ranks would be forked (lessonlib.launcher._forkrank.wanted), with no
-`env=` of their own, and whose environment equals the server's but for the run's own variables
-(PER_RUN, which only code running later reads). torch reads some variables once, as it is imported, and
-the server imported it under its environment. A launch whose environment differs (`os.environ` changed
-since) replaces an idle server, or starts a fresh agent while the server has a run going.
+Which launches take this path: those whose ranks would be forked (forkrank.wanted), with no `env=` of
+their own, and whose environment equals the server's but for the run's own variables (PER_RUN, and the
+run's mark, which only code running later reads). torch reads some variables once, as it is imported,
+and the server imported it under its environment. A launch whose environment differs (`os.environ`
+changed since) replaces an idle server, or starts a fresh agent while the server has a run going.
 
-The run's marker. lessonlib.launcher.processes finds every process of a run by its marker variable in
-/proc/PID/environ, which shows the environment a process was started with, not what it set since. The
-server starts with a placeholder of the same length (SLOT_VAR=SLOT_VALUE), and each agent writes its
-run's marker over it, in place, in its own copy of that memory: /proc/PID/environ then names the run,
+The run's mark. The launcher finds every process of a run by its mark in /proc/PID/environ
+(lessonlib.processes.marks), which shows the environment a process was started with, not what it set
+since. The server starts with a placeholder mark of the same length as a run's (marks.PLACEHOLDER, last
+in its MARKS_VAR), and each agent writes its run's mark over it, in place, in its own copy of that
+memory (ctypes.memmove into the block /proc/PID/environ reads): /proc/PID/environ then names the run,
 for the agent and for every rank it forks.
 
 Lifetime. The server exits when the launching process closes its end of the socket or dies (its parent
 changes); an agent watches the server as its launcher (lessonlib.launcher._agent_main), so when the kernel is
-killed, the server goes, and every run still going is ended by its own agent, as before.
+killed, the server goes, and every run still going is ended by its own agent.
 
 Protocol, over a SOCK_SEQPACKET socket pair: the launcher sends a request (JSON: the agent's arguments,
 environment and working folder) with two file descriptors, the agent's log file and one end of a new
@@ -47,22 +49,22 @@ import threading
 import time
 import warnings
 
-from lessonlib.launcher import _forkrank, _loopback
-from lessonlib.launcher._runfolder import BACKEND_VAR, LAUNCHER_PID_VAR, RUN_DIR_VAR, RUN_ID_VAR
-from lessonlib.launcher.spec import ROOT
+from lessonlib.launcher.fastpath import forkrank
+from lessonlib.launcher.runfolder import BACKEND_VAR, INTERFACE_VARS, LAUNCHER_PID_VAR, RUN_DIR_VAR, STORES_ON_VAR
+from lessonlib.paths import ROOT
+from lessonlib.processes.marks import MARK_LENGTH, MARKS_VAR, PLACEHOLDER
 
 AGENT_MODULE = "lessonlib.launcher._agent_main"
-SLOT_VAR = "LESSONLIB_NO_RUN"  # as long as RUN_ID_VAR: an agent overwrites "SLOT_VAR=SLOT_VALUE" with its marker
-SLOT_VALUE = "-" * 32  # as long as a run id (uuid4().hex)
+SERVER_MODULE = "lessonlib.launcher.fastpath.agentserver"
 # Variables a launch sets for its own run, read only by code that runs after the imports (the agent's
-# rendezvous, the ranks): launches that differ only in these share a server.
-PER_RUN = (RUN_ID_VAR, RUN_DIR_VAR, LAUNCHER_PID_VAR, BACKEND_VAR, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+# rendezvous, the ranks): launches that differ only in these (and in the run's mark) share a server.
+PER_RUN = (RUN_DIR_VAR, LAUNCHER_PID_VAR, BACKEND_VAR, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 # Set by a test runner and changed at every test (pytest names the test running in it); nothing that torch
 # imports reads it. Every launch still gets the value it had, as it gets every variable.
 NOT_READ_AT_IMPORT = ("PYTEST_CURRENT_TEST",)
 # Read when a process group is made, never as torch is imported: a launch's env= that sets only these
 # (chapter 16's interface choices) can still fork its agent from a server.
-READ_AFTER_IMPORT = (*_loopback.INTERFACE_VARS, _loopback.LOOPBACK_VAR)
+READ_AFTER_IMPORT = (*INTERFACE_VARS, STORES_ON_VAR)
 READY_TIMEOUT = 120  # seconds for the server to answer a request (its first: after importing torch)
 WATCH_INTERVAL = 0.2  # seconds between two looks at the launching process
 
@@ -151,8 +153,8 @@ class _Server:
         self.socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self.proc = subprocess.Popen(
-                [*prefix, sys.executable, "-m", "lessonlib.launcher._agentserver", str(theirs.fileno())],
-                env={**base[0], SLOT_VAR: SLOT_VALUE},
+                [*prefix, sys.executable, "-m", SERVER_MODULE, str(theirs.fileno())],
+                env=_with_placeholder(base[0]),
                 cwd=ROOT,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -200,10 +202,11 @@ _broken = False  # this machine's server failed to answer: fresh agents from now
 _exit_hook = False  # atexit has been told to end this process's servers
 
 
-def start_agent(cmd, env, cwd, log, own_env, prefix=()):
+def fork_agent(cmd, env, cwd, log, own_env, prefix=()):
     """The torchrun agent `cmd` (python -m lessonlib.launcher._agent_main ..., after `prefix`, the command that
     puts it on a lessonlib.Hosts host) forked from this process's server for that host, or None: start it
-    fresh. `own_env`: the launch passed env= with variables torch may read as it is imported (then fresh)."""
+    fresh (lessonlib.launcher.agents.start_agent). `own_env`: the launch passed env= with variables torch
+    may read as it is imported (then fresh)."""
     global _broken, _exit_hook
     prefix = list(prefix)
     skip = len(prefix)
@@ -213,13 +216,14 @@ def start_agent(cmd, env, cwd, log, own_env, prefix=()):
         or not sys.platform.startswith("linux")
         or cmd[:skip] != prefix
         or cmd[skip : skip + 3] != [sys.executable, "-m", AGENT_MODULE]
-        or not _forkrank.wanted(env)
-        or len(env.get(RUN_ID_VAR, "")) != len(SLOT_VALUE)
+        or not forkrank.wanted(env)
+        or len(env.get(MARKS_VAR, "").rsplit(":", 1)[-1]) != MARK_LENGTH
     ):
         return None
-    # The environment, and the signals ignored here (an ignored signal stays ignored across exec and fork).
+    # The environment (the run's own mark left out), and the signals ignored here (an ignored signal stays
+    # ignored across exec and fork).
     ignored = PER_RUN + NOT_READ_AT_IMPORT + READ_AFTER_IMPORT
-    base = ({k: v for k, v in env.items() if k not in ignored}, _ignored_signals())
+    base = ({k: v for k, v in _without_run_mark(env).items() if k not in ignored}, _ignored_signals())
     key = tuple(prefix)
     with _lock:
         server = _servers.get(key)
@@ -248,6 +252,18 @@ def start_agent(cmd, env, cwd, log, own_env, prefix=()):
             return None
 
 
+def _without_run_mark(env):
+    """`env` without its last mark (the run's), which each agent writes into the server's placeholder."""
+    outer = env.get(MARKS_VAR, "").rsplit(":", 1)[:-1]
+    env = {k: v for k, v in env.items() if k != MARKS_VAR}
+    return {**env, MARKS_VAR: outer[0]} if outer else env
+
+
+def _with_placeholder(base):
+    """The server's environment: the launches' own, and a placeholder where each agent writes its run's mark."""
+    return {**base, MARKS_VAR: ":".join(filter(None, [base.get(MARKS_VAR), PLACEHOLDER]))}
+
+
 def close_servers(prefixes):
     """End the servers of the hosts that these command prefixes start commands on (lessonlib.Hosts.close)."""
     with _lock:
@@ -266,10 +282,13 @@ def _close():
 
 
 def _find_slot():
-    """The address of "SLOT_VAR=SLOT_VALUE" in the memory /proc/self/environ reads, or None."""
+    """The address of the placeholder mark, the last of "MARKS_VAR=...", in the memory /proc/self/environ
+    reads, or None."""
     if not sys.platform.startswith("linux"):
         return None
-    entry = f"{SLOT_VAR}={SLOT_VALUE}".encode()
+    entry = f"{MARKS_VAR}={os.environ.get(MARKS_VAR, '')}".encode()
+    if not entry.endswith(PLACEHOLDER.encode()):
+        return None
     environ = ctypes.POINTER(ctypes.c_void_p).in_dll(ctypes.CDLL(None), "environ")
     with open("/proc/self/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -278,7 +297,7 @@ def _find_slot():
     while environ[i]:
         address = environ[i]
         if start <= address < end and ctypes.string_at(address) == entry:
-            return address
+            return address + len(entry) - MARK_LENGTH
         i += 1
     return None
 
@@ -297,9 +316,9 @@ def _serve(fd):
     import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend  # noqa: F401
     import torch.distributed.launcher.api  # noqa: F401
 
-    _forkrank.import_dynamo()
+    forkrank.import_dynamo()
 
-    saved = _forkrank.snapshot()
+    saved = forkrank.snapshot()
     gc.freeze()  # an agent's collections never touch (and so copy) the pages of these objects
     wake_r, wake_w = os.pipe()
     for end in (wake_r, wake_w):
@@ -349,11 +368,11 @@ def _reap(agents):
 
 
 def _become_agent(request, log, slot, saved, sockets, *fds):
-    """In the forked child: the run's marker, the server's sockets and pipes closed, then the agent."""
+    """In the forked child: the run's mark, the server's sockets and pipes closed, then the agent."""
     try:
         env = request["env"]
-        marker = f"{RUN_ID_VAR}={env[RUN_ID_VAR]}".encode()
-        ctypes.memmove(slot, marker, len(marker))
+        mark = env[MARKS_VAR].rsplit(":", 1)[-1].encode()
+        ctypes.memmove(slot, mark, MARK_LENGTH)
         for s in sockets:
             s.close()
         for fd in fds:
@@ -366,7 +385,7 @@ def _become_agent(request, log, slot, saved, sockets, *fds):
         os.close(log)
     except BaseException:  # noqa: BLE001 - never return into the server's loop
         os._exit(1)
-    _forkrank.become(AGENT_MODULE, request["args"], env, [None, None], saved, cwd=request["cwd"])
+    forkrank.become(AGENT_MODULE, request["args"], env, [None, None], saved, cwd=request["cwd"])
 
 
 if __name__ == "__main__":

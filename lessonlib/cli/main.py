@@ -11,28 +11,25 @@ after `--`. Exit status: 0 when every rank exited 0; 1 when a rank failed, and t
 stderr say how each rank ended and where it was, then name the first rank that failed with its error;
 124 on timeout; 130 on Ctrl-C; 2 for bad input, before anything starts.
 
-`list` and `--help` read files only (docstrings with ast, chapter titles from the notebooks with
-json): they do not import torch, or even the launcher.
+`list` and `--help` read files only (the catalog: docstrings with ast, chapter titles from the notebooks
+with json): they do not import torch, or even the launcher.
 """
 
 import argparse
-import ast
-import json
 import os
 import re
 import shutil
 import signal
 import sys
-from pathlib import Path
 
-# How a run is told is the display's (the same words as in a notebook); the display imports no torch.
-from .display import MIN_COLUMN, describe_failure, failure_line, render_columns  # noqa: F401
+# The launcher's bounds, without importing the launcher (nor torch).
+from ..launcher.request import MAX_NPROC, MAX_TIMEOUT, ranks_problem, timeout_problem
+from ..paths import ROOT, find_script, script_candidates
 
-# The launcher's bounds, root and lookup rule, without importing the launcher.
-from .spec import MAX_NPROC, MAX_TIMEOUT, ROOT, find_script, ranks_problem, script_candidates, timeout_problem
+# How a run is told is the view's (the same words as in a notebook); it imports no torch.
+from ..view.story import describe_failure, failure_line, render_columns
+from .catalog import chapter_titles, command_of, kind_of, lesson_files, nproc_of, summary_of
 
-LESSON_GLOB = "lessons/[0-9][0-9]_*.py"
-NOTEBOOK_GLOB = "book/[0-9][0-9]_*.ipynb"
 DEFAULT_NPROC = 2  # for a script whose docstring names no world size
 DEFAULT_TIMEOUT = 300.0
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_INTERRUPTED = 0, 1, 2, 124, 130
@@ -60,68 +57,7 @@ class UsageError(Exception):
     """Bad input found before anything started: a message for the reader, exit status 2."""
 
 
-# --------------------------------------------------------------------------- lessons and chapters
-
-
-def lesson_files(root=ROOT):
-    """Every lesson, by pattern (a new lesson is listed the moment it is added)."""
-    return sorted(Path(root).glob(LESSON_GLOB))
-
-
-def docstring(path):
-    """The module docstring of a Python file, or '' if it has none. Raises SyntaxError."""
-    return ast.get_docstring(ast.parse(Path(path).read_text(encoding="utf-8"), filename=str(path))) or ""
-
-
-def command_of(path):
-    """The command on the first line of a lesson's docstring ('' if none)."""
-    doc = docstring(path).strip()
-    return doc.splitlines()[0] if doc else ""
-
-
-def summary_of(path):
-    """The docstring's first paragraph after the command, on one line: what the lesson shows."""
-    paragraphs = re.split(r"\n\s*\n", docstring(path).strip())[1:]
-    text = " ".join(paragraphs[0].split()) if paragraphs else ""
-    return "" if text.startswith("Options:") else text
-
-
-def kind_of(command):
-    """'torchrun' (torchrun --nproc_per_node=N ...), 'spawn' (python ... --world-size N: the script
-    starts its own processes) or 'single' (python ...: one process); '' for anything else."""
-    if command.startswith("torchrun "):
-        return "torchrun"
-    if command.startswith("python "):
-        return "spawn" if "--world-size" in command.split() else "single"
-    return ""
-
-
-def nproc_of(command):
-    """The world size a lesson's command runs it at: N of --nproc_per_node=N or of --world-size N (a
-    script that starts its own processes), 1 for `python x.py`; None when the command names none."""
-    if kind_of(command) == "single":
-        return 1
-    m = re.search(r"--nproc[_-]per[_-]node[= ](\d+)|--world-size[= ](\d+)", command)
-    return int(m.group(1) or m.group(2)) if m else None
-
-
-def chapter_titles(root=ROOT):
-    """{chapter number: (title, notebook file name)}, from each notebook's first markdown heading."""
-    titles = {}
-    for notebook in sorted(Path(root).glob(NOTEBOOK_GLOB)):
-        title = notebook.stem[3:].replace("_", " ")
-        try:
-            cells = json.loads(notebook.read_text(encoding="utf-8")).get("cells", [])
-        except (OSError, json.JSONDecodeError):
-            cells = []
-        for cell in cells:
-            if cell.get("cell_type") == "markdown":
-                m = re.search(r"^#\s+(.+?)\s*$", "".join(cell.get("source", "")), re.M)
-                if m:
-                    title = m.group(1).replace("`", "")
-                    break
-        titles.setdefault(int(notebook.name[:2]), (title, notebook.name))
-    return titles
+# --------------------------------------------------------------------------- list
 
 
 def list_lessons(out=None, root=ROOT):
@@ -206,7 +142,7 @@ def check_script(script, nproc):
 def run_lesson(script, nproc=None, timeout=DEFAULT_TIMEOUT, args=(), columns=False):
     """Launch `script` with every rank's lines shown live; return the exit status (see the docstring)."""
     path, nproc = check_script(script, nproc)
-    from .core import launch  # psutil and the display, not torch
+    from ..launcher.core import launch  # psutil and the views, not torch
 
     try:
         result = launch(path, nproc=nproc, args=list(args), timeout=timeout, show="text", cwd=os.getcwd())

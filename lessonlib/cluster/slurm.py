@@ -42,9 +42,9 @@ import sys
 import time
 from pathlib import Path
 
+from ..paths import ROOT
 from .hosts import Hosts, HostsUnavailable
 from .hosts import unavailable as hosts_unavailable
-from .spec import ROOT
 
 MIN_NODES, MAX_NODES = 1, 3  # plus the login host: Hosts makes 2 to 4
 MIN_CPUS, MAX_CPUS = 1, 16
@@ -127,7 +127,11 @@ def slurm_conf(folder, controller, nodes, cpus):
 
 
 class Slurm:
-    """A login host and `nodes` compute nodes (1 to 3) of `cpus` CPUs each; see the module's docstring."""
+    """A login host and `nodes` compute nodes (1 to 3) of `cpus` CPUs each; see the module's docstring.
+    `Slurm.unavailable()` says why a cluster cannot run here, or None."""
+
+    unavailable = staticmethod(unavailable)
+    CRED_EXPIRE = CRED_EXPIRE  # seconds a requeued job waits before it may start again (chapter 17)
 
     def __init__(self, nodes=2, *, cpus=2):
         _check(nodes, cpus)
@@ -263,7 +267,7 @@ class Slurm:
         """Run a command on `host` (the login host by default) in the repository's root, bounded; returns
         its Finished (returncode, stdout with stderr, seconds, timed_out). For `srun` and other commands that
         end with their work: on a timeout it kills what the command started, jobs' tasks included."""
-        from .processes import run_bounded
+        from ..processes.bounded import run_bounded
 
         self._live()
         prefix = self.net.prefix(host or self.login)

@@ -1,8 +1,8 @@
 """The run folder: how `lessonlib.launch` and the processes it starts talk to each other (chapter 1).
 
 `launch` makes a fresh folder for every run and starts each process of the run with the variables
-below in its environment. Every rank writes into the folder; the launcher reads it back into a
-RunResult, then removes it:
+below in its environment (and the run's id as its mark: lessonlib.processes.marks). Every rank writes
+into the folder; the launcher reads it back into a RunResult, then removes it:
 
     rank{r}.stdout, rank{r}.stderr  rank r's file descriptors 1 and 2 (lessonlib.launcher._rank_main)
     rank{r}.start.json              {"rank", "pid", "time"}: written as the rank starts its script
@@ -19,11 +19,15 @@ half of one. Every rank imports this module before its script runs: it needs the
 import json
 import os
 
-PREFIX = "LESSONLIB_"  # launch(env=...) refuses names with this prefix: they belong to this protocol
-RUN_ID_VAR = "LESSONLIB_RUN_ID"  # every process of a run carries it: how the launcher finds them all
+PREFIX = "LESSONLIB_"  # launch(env=...) refuses names with this prefix: they belong to lessonlib
 RUN_DIR_VAR = "LESSONLIB_RUN_DIR"  # the run folder
 LAUNCHER_PID_VAR = "LESSONLIB_LAUNCHER_PID"  # the torchrun agent dies with this process (_agent_main)
 BACKEND_VAR = "LESSONLIB_BACKEND"  # launch(backend=...): the backend lessonlib.setup() then uses
+# A one-machine launch: the address every TCPStore server of the run listens on (the agent binds them
+# there: lessonlib.launcher.torchpatches.bind_store_servers), and the variables that pin gloo and NCCL
+# to the loopback interface.
+STORES_ON_VAR = "LESSONLIB_STORES_ON"
+INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 STREAMS = ("stdout", "stderr")
 
 

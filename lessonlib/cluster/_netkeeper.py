@@ -1,6 +1,6 @@
 """The keeper of a `lessonlib.Hosts` network (chapter 16): removes it when its owner is done or gone.
 
-`Hosts` starts this file as a process of its own session (`python lessonlib/launcher/_netkeeper.py`, the
+`Hosts` starts this file as a process of its own session (`python lessonlib/cluster/_netkeeper.py`, the
 standard library only, so it starts in milliseconds), and before it creates any network namespace or
 file it writes the name here, one JSON line each on this process's standard input. When that input
 ends, because `Hosts` closed it or because its process died however it died (a notebook kernel

@@ -1,0 +1,262 @@
+"""Every word the course says about a run: its status line, one line per rank, the failure story, and the
+text views (chapter 1).
+
+A run that failed is told the same way everywhere (the HTML view, `str(run)`, `LaunchError`,
+`python -m lessonlib run`): first one line per rank, how it ended and where it was
+(`rank 0: RuntimeError: Timed out ...; at lessons/12_hang.py:57 in epoch_end: dist.barrier()`), then
+the details: the root cause's traceback, the stacks of the ranks that were stopped. `render_text` is
+`str(run)`; `render_columns` puts the ranks side by side in a terminal (`python -m lessonlib run --columns`).
+"""
+
+from dataclasses import dataclass
+
+from ..launcher.status import RunStatus
+from .tracebacks import Frame, code_only, cut, innermost_frame, short_error, short_paths, stack_dump
+
+MIN_COLUMN = 24  # characters: the terminal's columns (render_columns) are never narrower
+SOURCE_CHARS = 100  # a source line in a one-line summary is cut here
+
+
+def command_line(script, args, nproc, nnodes):
+    nodes = f"--nnodes={nnodes} " if nnodes > 1 else ""
+    return " ".join(["torchrun", f"{nodes}--nproc_per_node={nproc}", script, *args])
+
+
+@dataclass(frozen=True)
+class RankLine:
+    """How one rank ended, and where it was, in one line."""
+
+    rank: int
+    what: str  # "exit 0", "RuntimeError: ...", "hung: ..."
+    tag: str = ""  # "root cause", "left early: look here first"
+    frame: Frame | None = None
+
+    @property
+    def where(self):
+        if self.frame is None:
+            return ""
+        f = self.frame
+        code = cut(code_only(f.source), SOURCE_CHARS)
+        return f"at {short_paths(f.file)}:{f.line} in {f.function}" + (f": {code}" if code else "")
+
+    def __str__(self):
+        tag = f" ({self.tag})" if self.tag else ""
+        return f"rank {self.rank}{tag}: {self.what}" + (f"; {self.where}" if self.where else "")
+
+
+def rank_line(result, r):
+    """The RankLine of rank output `r` of `result`."""
+    cause, left_early = result.root_cause, result.left_early
+    # When every failure only says a peer went away and a rank left early, the first to fail is a victim.
+    tag = ("first to fail" if left_early else "root cause") if cause is not None and r is cause else ""
+    if r.status == RunStatus.OK:
+        early = r.rank in left_early
+        what = "exit 0, before the others failed" if early else "exit 0"
+        return RankLine(r.rank, what, "left early: look here first" if early else "")
+    if r.status == RunStatus.NOT_STARTED:
+        return RankLine(r.rank, "never started its script")
+    if r.status == RunStatus.HUNG:
+        what = f"hung: still running at the {result.timeout:g} s timeout, then killed"
+    elif r.status == RunStatus.INTERRUPTED:
+        what = "interrupted: still running when the run was stopped, then killed"
+    elif r.status == RunStatus.TERMINATED and r.error == "killed by SIGTERM":
+        what = "stopped by torchrun (SIGTERM) after another rank failed"
+    elif r.status == RunStatus.TERMINATED:
+        what = "stopped" + (f" ({r.error})" if r.error else f", exit code {r.exitcode}")
+    elif r.error.startswith("killed by "):
+        what = f"{r.error} (exit {r.exitcode})"
+    else:
+        what = short_error(r.error) or f"exit code {r.exitcode}"
+    stack = r.traceback or stack_dump(r.stderr)
+    return RankLine(r.rank, what, tag, innermost_frame(stack) if stack else None)
+
+
+def rank_lines(result):
+    """One RankLine per rank, in rank order."""
+    return [rank_line(result, r) for r in result.ranks]
+
+
+def status_line(result):
+    cmd = command_line(result.script, result.args, result.nproc, result.nnodes)
+    if result.ok:
+        ranks = f"{result.world_size} rank" + ("" if result.world_size == 1 else "s")
+        return f"ok: {cmd} ({ranks}, {result.wall_time:.2f} s)"
+    if result.timed_out:
+        what = f"timed out after {result.timeout:g} s"
+    elif result.interrupted:
+        what = "interrupted"
+    else:
+        what = f"failed on rank(s) {joined(result.failed_ranks)}"
+    cause = result.root_cause
+    error = short_error(cause.error) if cause else ""
+    why = f"; first failure: rank {cause.rank}" + (f" ({error})" if error else "") if cause else ""
+    return f"{what}: {cmd} ({result.wall_time:.2f} s){why}"
+
+
+def failure_line(result):
+    """One line: what went wrong, naming the rank and its error (the last line `python -m lessonlib run`
+    prints)."""
+    cause = result.root_cause
+    first = ""
+    if cause is not None:
+        first = f"rank {cause.rank} failed first" + (
+            f" with {short_error(cause.error)}" if cause.error else f", exit code {cause.exitcode}"
+        )
+    if result.timed_out:
+        stuck = [r.rank for r in result.ranks if r.status == RunStatus.HUNG]
+        line = f"{result.script} timed out after {result.timeout:g} s (--timeout)"
+        if stuck:
+            line += f"; rank(s) {joined(stuck)} were still running and were killed"
+        return line + (f"; before that, {first}" if first else "")
+    if result.interrupted:
+        return f"{result.script} was interrupted" + (f"; before that, {first}" if first else "")
+    line = f"{result.script} failed on rank(s) {joined(result.failed_ranks)} of {result.world_size}"
+    return line + (f": {first}" if first else "")
+
+
+def describe_failure(result, details=True):
+    """What went wrong, for a person: a headline, one line per rank, then (with `details`) the root
+    cause's traceback and the stacks of the ranks that were stopped. RunResult.describe_failure and
+    LaunchError's message."""
+    if result.ok:
+        return f"{result.script}: all {result.world_size} ranks exited 0"
+    stopped = result.timed_out or result.interrupted
+    what = f"timed out after {result.timeout:g} s" if result.timed_out else "was interrupted"
+    if stopped and not [r for r in result.ranks if r.status != RunStatus.NOT_STARTED]:
+        return short_paths(
+            f"{result.script} {what} before any rank had started its script (torchrun was still starting; "
+            f"everything was killed). torchrun said:\n{tail(result.launcher_output, 30)}"
+        )
+    stuck = [r for r in result.ranks if r.status in (RunStatus.HUNG, RunStatus.INTERRUPTED)]
+    if stopped:
+        head = f"{result.script} {what}" + (
+            f"; rank(s) {joined(r.rank for r in stuck)} were still running and were killed:" if stuck else ":"
+        )
+    else:
+        head = f"{result.script} failed on rank(s) {joined(result.failed_ranks)} of {result.world_size}:"
+    lines = [head, *(f"  {line}" for line in rank_lines(result))]
+    early = result.left_early
+    if early:
+        lines.append(
+            f"Rank(s) {joined(early)} exited 0 before the first failure, while the others still called "
+            "collectives: a rank that leaves early reads as 'Connection closed by peer' on the others. "
+            "Look there first."
+        )
+    if not details:
+        return short_paths("\n".join(lines))
+    cause = result.root_cause
+    if stopped:
+        if stuck:
+            lines.append("Their Python stacks at that moment:")
+        for r in stuck:
+            lines += [f"--- rank {r.rank} stack ---", stack_dump(r.stderr) or tail(r.stderr, 30) or "(none printed)"]
+        if cause is not None:
+            lines += [f"Before that, rank {cause.rank} failed:", cause.traceback or cause.error]
+        return short_paths("\n".join(lines))
+    if cause is None:
+        lines += ["No rank recorded an error; torchrun said:", tail(result.launcher_output, 30)]
+        return short_paths("\n".join(lines))
+    start = result.ranks_start
+    when = f" at +{cause.end - start:.2f} s" if cause.end and start else ""
+    lines.append(
+        f"First failure (root cause): rank {cause.rank} exited {cause.exitcode}{when}"
+        + (f" with {cause.error}" if cause.error else "")
+    )
+    lines += [
+        f"--- rank {cause.rank} traceback ---",
+        cause.traceback or tail(cause.stderr, 30) or "(no traceback: see its stderr)",
+    ]
+    for r in result.ranks:
+        stack = stack_dump(r.stderr) if r.status == RunStatus.TERMINATED else ""
+        if stack and r is not cause:
+            lines += [f"--- rank {r.rank} stack (where it was when it was stopped) ---", stack]
+    return short_paths("\n".join(lines))
+
+
+def quiet_groups(ranks):
+    """[(ranks, how they ended)] of the ranks that printed nothing, grouped by how they ended."""
+    groups = {}
+    for r in ranks:
+        groups.setdefault(exit_text(r), []).append(r.rank)
+    return [(rs, how) for how, rs in groups.items()]
+
+
+def quiet_text(groups):
+    parts = []
+    for ranks, how in groups:
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {joined(ranks)}"
+        parts.append(f"{who} printed nothing ({how})")
+    return "; ".join(parts)
+
+
+def printed(r):
+    return bool(r.stdout.strip() or r.stderr.strip())
+
+
+def render_text(result):
+    """`str(run)`: the status line, one line per rank if it failed, then each rank's lines, prefixed."""
+    parts = [status_line(result)]
+    if not result.ok:
+        parts += [f"  {line}" for line in rank_lines(result)]
+    quiet = [r for r in result.ranks if not printed(r)]
+    for r in result.ranks:
+        if r in quiet:
+            continue
+        parts.append(f"--- rank {r.rank} ({exit_text(r)}) ---")
+        parts.extend(f"[rank {r.rank}] {line}" for line in r.stdout.splitlines())
+        parts.extend(f"[rank {r.rank}:stderr] {line}" for line in r.stderr.splitlines())
+    if quiet:
+        parts.append(quiet_text(quiet_groups(quiet)))
+    return short_paths("\n".join(parts))
+
+
+def render_columns(result, width):
+    """Each rank's output in a column of its own, as many columns per row as fit in `width` characters
+    (`python -m lessonlib run --columns`); the ranks that printed nothing on one line below."""
+    sep = " | "
+    shown = [r for r in result.ranks if printed(r)]
+    quiet = [r for r in result.ranks if not printed(r)]
+    n = len(shown)
+    per_row = max(1, min(n, (width + len(sep)) // (MIN_COLUMN + len(sep))))
+    col = max(8, (width - len(sep) * (per_row - 1)) // per_row)
+    blocks = []
+    for start in range(0, n, per_row):
+        cells = []
+        for r in shown[start : start + per_row]:
+            lines = [f"rank {r.rank} ({exit_text(r)})", "-" * col]
+            for text in short_paths(r.stdout).splitlines():
+                lines += _wrap(text, col)
+            if r.stderr.strip():
+                lines.append("-- stderr --")
+                for text in short_paths(r.stderr).splitlines():
+                    lines += _wrap(text, col)
+            cells.append(lines)
+        height = max(len(c) for c in cells)
+        rows = []
+        for i in range(height):
+            parts = [(c[i] if i < len(c) else "").ljust(col) for c in cells]
+            rows.append(sep.join(parts).rstrip())
+        blocks.append("\n".join(rows))
+    if quiet:
+        blocks.append("\n".join(_wrap(quiet_text(quiet_groups(quiet)), width)))
+    return "\n\n".join(blocks)
+
+
+def _wrap(line, width):
+    line = line.expandtabs(4).rstrip()
+    return [line[i : i + width] for i in range(0, len(line), width)] or [""]
+
+
+def exit_text(r):
+    if r.status == RunStatus.OK:
+        return "exit 0"
+    code = f"exit {r.exitcode}" if r.exitcode is not None else "no exit code"
+    return f"{r.status}, {code}" if r.status != RunStatus.FAILED else code
+
+
+def joined(items):
+    return ", ".join(str(i) for i in items)
+
+
+def tail(text, n):
+    return "\n".join(text.rstrip("\n").splitlines()[-n:])
