@@ -36,10 +36,8 @@ book: $(STAMP)
 	$(BIN)/jupyter-book build book -W -n --keep-going
 
 # Tests run in parallel, one pytest worker per CPU plus two, up to 4: ranks spend part of their time
-# waiting (on each other, on the short timeouts the pitfalls show), and the spare workers fill it. On a
-# quiet 2-core machine, the whole suite took 657 s with 3 workers (1.78 cores busy on average) and 610 s
-# with 4 (1.91), for the same CPU time. And
-# the book test (one long test, which itself executes two chapters at a time: BOOK_JOBS) runs beside the
+# waiting (on each other, on the short timeouts the pitfalls show), and the spare workers fill it. The
+# book test (one long test, which itself executes chapters side by side: BOOK_JOBS) runs beside the
 # lessons instead of after them. The browser tests (tests/test_browser.py) open the pages that the book
 # test built: --dist loadgroup keeps the tests of xdist group "book" on one worker, one after the other,
 # so the book is executed and built once. JOBS=1 runs the tests serially. The 15 slowest tests are listed
