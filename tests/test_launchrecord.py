@@ -228,6 +228,8 @@ def test_a_rewrite_replaces_the_chapters_the_build_executed_and_keeps_the_others
             line("command", command="python lessons/01_a.py --n 2"),
             line("chapter"),
             line("chapter", chapter="03_c.ipynb"),
+            line("launch", chapter="88_draft.ipynb"),  # executed, but not in the toc: not the book's
+            line("chapter", chapter="88_draft.ipynb"),
         ],
     )
     chapters = {"01_a.ipynb", "02_b.ipynb", "03_c.ipynb"}

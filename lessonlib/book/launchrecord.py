@@ -23,8 +23,9 @@ build records what it ran, and `launches.json` (next to this file) is the summar
   `python -m lessonlib.book.launchrecord _build/lessonlib-launches.jsonl` (`make book-record`) rewrites
   the entries of the chapters that build executed and keeps those of the chapters it did not (their
   cache was fresh: nothing they run changed since); entries of a chapter no longer in book/_toc.yml go.
-  After a build from an empty `_build/` (`make clean book-record`, or the book test's) every entry is new.
-  A record in which a chapter did not run to its end is refused: its runs would be partial.
+  After a build from an empty `_build/` (`make clean book-record`, or the book test's), every entry comes
+  from that build. A record in which a chapter did not run to its end is refused: its runs would be
+  partial. (A launch interrupted by Ctrl-C writes no line; its chapter then fails anyway.)
 - The book test (tests/test_book.py) builds from scratch and fails when its record's summary and
   `launches.json` differ, either way (`drift`), naming the entries and the command that rewrites it.
 """
@@ -280,7 +281,8 @@ def rewrite(record_path, summary_path=None, chapters=None):
     executed = executed_chapters(entries, record_path)
     chapters = toc_chapters() if chapters is None else set(chapters)
     old = load(summary_path) if summary_path.exists() else Summary()
-    new = old.without(executed | (old.chapters() - chapters)) | summarise(entries)
+    new = old.without(executed) | summarise(entries)
+    new = new.without(new.chapters() - chapters)
     summary_path.write_text(dump(new))
     return new, old
 
