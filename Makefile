@@ -3,13 +3,14 @@
 #   make lab    set up, then open JupyterLab on book/ with the course's kernel, to run chapters cell by cell
 #   make test   set up, then run the whole test suite (launcher, lessons, the book build, the browser test)
 #   make unit   set up, then run only the unit tier: the tests that start no process, in seconds
+#   make book-record  build the book, then rewrite lessonlib/book/launches.json from what it ran
 #   make gpu-check  the templates, chapter 15's classes and chapter 8's AMP on this machine's GPUs (no setup)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup book lab test unit bench gpu-check format clean
+.PHONY: setup book book-record lab test unit bench gpu-check format clean
 # The kernel every chapter names in its metadata (kernelspec.name), so Jupyter and VS Code pick .venv's
 # Python. Registered inside .venv (--sys-prefix): nothing is written outside the checkout (ipykernel
 # leaves an empty tmp*_kernels folder in TMPDIR, so it gets a TMPDIR of its own, removed after).
@@ -34,6 +35,12 @@ lab: $(STAMP)
 
 book: $(STAMP)
 	$(BIN)/jupyter-book build book -W -n --keep-going
+
+# The runs the tests leave to the book (lessonlib/book/launches.json) from what this build ran
+# (_build/lessonlib-launches.jsonl): the chapters it executed are recorded anew, the others (their cache
+# fresh) keep their entries. `make clean book-record` records every chapter from scratch.
+book-record: book
+	$(BIN)/python -m lessonlib.book.launchrecord _build/lessonlib-launches.jsonl
 
 # Tests run in parallel, one pytest worker per CPU plus two, up to 4: ranks spend part of their time
 # waiting (on each other, on the short timeouts the pitfalls show), and the spare workers fill it. The

@@ -7,6 +7,10 @@ LaunchError, the rank. That work is done once per session by the fixture `built_
 `execute_and_build` here: the book test reports its outcome, and the browser tests
 (tests/test_browser.py) open the pages it wrote. Both carry the xdist group "book", so that under
 `make test` (--dist loadgroup) they run in one worker, one after the other, and share one build.
+
+The build records what its chapters ran (lessonlib.book.launchrecord), and the tests skip the runs that
+lessonlib/book/launches.json says the book makes: the book test fails when this build's record and that
+file differ, either way, naming the entries and the command that rewrites the file from this build.
 """
 
 import json
@@ -23,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from lessonlib import ROOT, run_bounded
-from lessonlib.book import rebuild
+from lessonlib.book import launchrecord, rebuild
 from lessonlib.processes.bounded import marked_environment
 from lessonlib.processes.marks import kill_all, marked_processes
 
@@ -107,6 +111,7 @@ class BookBuild:
     returncode: int | None = None  # of `jupyter-book build`
     log: str = ""
     html: Path | None = None  # the built book's _build/html
+    record: Path | None = None  # what the chapters ran: _build/lessonlib-launches.jsonl (lessonlib.book.launchrecord)
     left_in_tmp: list = field(default_factory=list)  # what the build left in its own TMPDIR
 
     @property
@@ -144,7 +149,35 @@ def execute_and_build(folder):
         build.slowest = {Path(p): cells for p, cells in report.get("slowest_cells", {}).items()}
         build.failures = {Path(p): f for p, f in report["failures"].items()}
     build.html = folder / "_build" / "html"
+    build.record = folder / "_build" / launchrecord.RECORD_FILE
     return build
+
+
+def record_drift(record, summary_path=None):
+    """What differs between the runs a build recorded (`record`, its lessonlib-launches.jsonl) and the committed
+    summary the tests take their skips from: a message, or None when they agree."""
+    summary_path = launchrecord.SUMMARY if summary_path is None else summary_path
+    entries = launchrecord.read_record(record)
+    launchrecord.executed_chapters(entries, record)  # every chapter ran to its end: its runs are all there
+    missing, new = launchrecord.drift(launchrecord.load(summary_path), launchrecord.summarise(entries))
+    if not missing and not new:
+        return None
+    said = [
+        f"{summary_path.relative_to(ROOT) if summary_path.is_relative_to(ROOT) else summary_path} "
+        "is not what this build ran."
+    ]
+    if missing:
+        said.append(
+            "In it, but not run by this build with default arguments and every rank ok (the tests skip these "
+            "runs for the book, which no longer makes them):\n  " + "\n  ".join(missing)
+        )
+    if new:
+        said.append("Run by this build, but not in it (the tests run these a second time):\n  " + "\n  ".join(new))
+    said.append(
+        f"Rewrite it from this build with `python -m lessonlib.book.launchrecord {record}` (or "
+        f"`{launchrecord.REWRITE}`, which builds the book in _build/ first), and commit it."
+    )
+    return "\n".join(said)
 
 
 @pytest.mark.xdist_group("book")
@@ -165,6 +198,10 @@ def test_book_builds_and_executes_every_chapter(built_book, capsys):
     # Every chapter removes what it made outside the repository: torchrun's log folders, run folders,
     # compiler caches, checkpoints. The whole build ran with a TMPDIR of its own, now empty.
     assert book.left_in_tmp == [], f"the book build left these in its TMPDIR: {book.left_in_tmp}"
+    # The tests skip the runs lessonlib/book/launches.json says the book makes: it must be what this build ran,
+    # both ways (an entry it did not run is coverage lost; a run not in it is run twice, and is refused too).
+    drift = record_drift(book.record)
+    assert drift is None, drift
     for path in book.notebooks:
         page = book.html / f"{path.stem}.html"
         assert page.exists(), f"{page} was not written"
@@ -211,12 +248,33 @@ def test_a_failing_cell_is_named_with_its_notebook_and_rank(tmp_path):
         'timeout=60, show="none").raise_for_status()'
     )
     book = mini_book(tmp_path, "broken", ["import lessonlib", launch])
+    earlier = tmp_path / "_build" / launchrecord.RECORD_FILE  # an earlier build's record: this build starts anew
+    earlier.parent.mkdir()
+    earlier.write_text('{"chapter": "old.ipynb", "kind": "chapter", "ok": true}\n')
     rc, log = build_book(book, timeout=240)
     assert rc != 0, "a notebook with a failing cell must fail the build"
     message = explain_failure(log)
     assert "broken.ipynb" in message, message
     assert "cell 2" in message, message
     assert "First failure (root cause): rank 1" in message, message
+    # The build recorded what ran: the launch, not with defaults (args=) and not ok, and a chapter that failed.
+    records = list(tmp_path.rglob(launchrecord.RECORD_FILE))
+    assert records == [earlier], f"expected {earlier} alone: {records}"
+    entries = launchrecord.read_record(records[0])
+    assert entries == [
+        {
+            "chapter": "broken.ipynb",
+            "kind": "launch",
+            "script": "lessons/01_launch.py",
+            "ranks": 2,
+            "defaults": False,
+            "changed": ["args"],
+            "ok": False,
+        },
+        {"chapter": "broken.ipynb", "kind": "chapter", "ok": False},
+    ], entries
+    with pytest.raises(launchrecord.RecordError, match="broken.ipynb: failed"):
+        launchrecord.executed_chapters(entries, records[0])
 
 
 SLEEPER = "import pathlib, sys, time\npathlib.Path(sys.argv[1]).write_text('asleep')\ntime.sleep(300)\n"

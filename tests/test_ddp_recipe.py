@@ -1,8 +1,9 @@
 """lessons/recipes/test_ddp_step.py, the pytest file readers copy to test their own DDP step (chapter 11).
 
 It is run as a reader runs it, `python -m pytest -q lessons/recipes/test_ddp_step.py` from the course
-root, and it must pass (chapter 11 runs the same command and asserts it passed: when the book build is
-in the same session, that run stands for this one). A recipe whose tests cannot fail proves nothing,
+root, and it must pass (chapter 11 runs the same command with more reporting options and asserts it
+passed: when the book build is in the same session and its record, lessonlib/book/launches.json, has
+that run exiting 0, it stands for this one). A recipe whose tests cannot fail proves nothing,
 so copies of it with a broken step must fail, each in the test that names the mistake: the loss
 divided by the world size a second time (the gradient test), an update only rank 0 applies (the
 replica test), a rank that hangs (killed at the recipe's time bound) and a rank that raises (the run
@@ -11,20 +12,20 @@ runs with TMPDIR in a folder of its own, which must be empty afterwards, and pro
 are still alive when it exits fail the test.
 """
 
-import json
 import re
+import shlex
 import subprocess
 import sys
 
 import pytest
 
 from lessonlib import ROOT
+from lessonlib.book import launchrecord
 from lessonlib.processes.bounded import kill_session, marked_environment
 from lessonlib.processes.marks import marked_processes
-from test_lessons import BOOK_TEST
+from test_lessons import BOOK, book_runs_in_this_session
 
 RECIPE = ROOT / "lessons" / "recipes" / "test_ddp_step.py"
-CHAPTER = ROOT / "book" / "11_end_to_end.ipynb"
 TIMEOUT = 240  # seconds for one pytest run of the recipe, a few of them in a row under load
 
 PROCESS_TESTS = ("test_replicas_stay_equal", "test_gradient_matches_one_process")
@@ -108,22 +109,50 @@ def outcomes(output):
     return found
 
 
-def book_runs_the_recipe():
-    """Whether chapter 11 runs the recipe as a reader does and asserts that it passed."""
-    for cell in json.loads(CHAPTER.read_text())["cells"]:
-        source = "".join(cell["source"])
-        if cell["cell_type"] == "code" and re.search(
-            r'run_python\(\s*"-m",\s*"pytest",[^)]*"lessons/recipes/test_ddp_step\.py"[^)]*\)'
-            r"\n[^\n]*\n?assert code == 0\b",
-            source,
-        ):
-            return True
-    return False
+# Options that change what pytest prints, not what it runs: a run with these and no others runs the recipe
+# as a reader's `python -m pytest -q FILE` does.
+REPORTING = re.compile(r"-q|-rA|--color=(no|yes|auto)|-p|no:cacheprovider|--durations(-min)?=[\d.]+")
+
+
+def runs_the_recipe(command):
+    """Whether `command` is `python -m pytest` run from the course root on the recipe alone, with options
+    that change only what pytest prints."""
+    words = shlex.split(command)
+    if words[:3] != ["python", "-m", "pytest"]:
+        return False
+    rest = words[3:]
+    recipe = str(RECIPE.relative_to(ROOT))
+    return rest.count(recipe) == 1 and all(REPORTING.fullmatch(w) for w in rest if w != recipe)
+
+
+def chapters_running_the_recipe(summary=BOOK):
+    """The chapters whose recorded runs include the recipe, run as a reader runs it, exiting 0."""
+    return sorted({chapter for command, chapter in summary.commands if runs_the_recipe(command)})
+
+
+@pytest.mark.unit
+def test_a_recorded_command_stands_for_the_recipe_only_when_it_runs_it_as_a_reader_does():
+    recipe = "lessons/recipes/test_ddp_step.py"
+    assert runs_the_recipe(f"python -m pytest -q {recipe}")
+    assert runs_the_recipe(f"python -m pytest -q -rA --color=no -p no:cacheprovider --durations=0 {recipe}")
+    for other in (
+        f"python -m pytest -q {recipe} -k replicas",  # a part of it
+        f"python -m pytest -q -x {recipe} {recipe}",
+        f"python -m pytest -q {recipe}::test_replicas_stay_equal",
+        f"python -m pytest -q tests/{recipe}",
+        f"python {recipe}",
+        f"python -m pytest -q -p no:randomly -p xdist {recipe}",
+    ):
+        assert not runs_the_recipe(other), other
+    summary = launchrecord.Summary(commands=frozenset({(f"python -m pytest -q {recipe}", "11_end_to_end.ipynb")}))
+    assert chapters_running_the_recipe(summary) == ["11_end_to_end.ipynb"]
+    assert chapters_running_the_recipe(launchrecord.Summary()) == []
 
 
 def test_the_recipe_passes_as_a_reader_runs_it(tmp_path, request):
-    if book_runs_the_recipe() and any(item.name == BOOK_TEST for item in request.session.items):
-        pytest.skip(f"the book build runs it: {CHAPTER.name} runs pytest on the recipe and asserts it passed")
+    chapters = chapters_running_the_recipe()
+    if chapters and book_runs_in_this_session(request):
+        pytest.skip(f"the book build runs it: {chapters[0]} runs pytest on the recipe, which exits 0")
     code, output = run_pytest([str(RECIPE.relative_to(ROOT))], ROOT, tmp_path / "tmp")
     assert code == 0, f"the recipe failed on the step it ships with:\n{output[-5000:]}"
     assert outcomes(output) == {(RECIPE.stem, t): "PASSED" for t in ALL_TESTS}, output[-3000:]

@@ -14,11 +14,12 @@ large share of a small lesson's CPU time, and CI's time is the budget. Chapter 1
 torchrun itself and always run under it (lessonlib.launch), as does every launch in the book;
 test_forked_ranks_fail_as_a_launch_fails runs one failing script both ways and compares.
 
-A chapter that launches a lesson with its default arguments and `.raise_for_status()` (alone, or in a
-loop over world sizes) already runs that lesson at that world size, every rank to exit 0, inside the
-book build. When the book build is
-part of the same pytest session, such a pair is skipped here with the chapter named, instead of being
-run twice: CI time is the budget the course lives within. Run this file alone and every pair runs.
+A chapter that launches a lesson with its default arguments, every rank exiting 0, already runs that
+lesson at that world size inside the book build. The build records what it ran, and
+lessonlib/book/launches.json is the committed summary of that record (lessonlib.book.launchrecord),
+which the book test checks against its own build. When the book build is part of the same pytest
+session, such a pair is skipped here with the chapter named, instead of being run twice: CI time is
+the budget the course lives within. Run this file alone and every pair runs.
 
 Lessons are found by pattern, so a new lesson is tested the moment it is added. The command on a
 lesson's first docstring line says how it starts: `torchrun --nproc_per_node=N lessons/X.py` (the
@@ -35,7 +36,6 @@ the book's run stands for it; each lesson's command names the world size its cha
 so that most commands are run once, by the book.
 """
 
-import json
 import os
 import re
 import shlex
@@ -47,6 +47,7 @@ import pytest
 import lessonlib
 from conftest import HELPERS, line_of
 from lessonlib import ROOT, run_bounded
+from lessonlib.book import launchrecord
 from lessonlib.cli import catalog
 from lessonlib.cli.catalog import command_of
 from lessonlib.launcher.request import TORCHRUN_ENV
@@ -57,55 +58,13 @@ LESSONS = catalog.lesson_files()
 WORLD_SIZES = (1, 2, 3, 4)  # 3: a world size that does not divide evenly
 TIMEOUT = 180  # seconds per run
 BOOK_TEST = "test_book_builds_and_executes_every_chapter"
-# Only this exact shape counts: default arguments, and the run's success asserted on the spot.
-BOOK_LAUNCH = re.compile(
-    r'lessonlib\.launch\(\s*"lessons/(\w+)\.py",\s*nproc=(\d+),\s*timeout=\d+,?\s*'
-    r'(?:show="\w+",?\s*)?\)\.raise_for_status\(\)'
-)
-# The same launch over several world sizes: `lessonlib.launch("lessons/X.py", nproc=n, ...) ... for n in (2, 4)`.
-BOOK_SWEEP = re.compile(
-    r'lessonlib\.launch\(\s*"lessons/(\w+)\.py",\s*nproc=(\w+),\s*timeout=\d+,?\s*'
-    r'(?:show="\w+",?\s*)?\)\.raise_for_status\(\)\s+for\s+(\w+)\s+in\s+\(([\d,\s]+)\)'
-)
-# A run panel made with no lesson options and run at once in the same cell is the same launch.
-BOOK_PANEL = re.compile(
-    r'lessonlib\.panel\(\s*"lessons/(\w+)\.py",\s*nproc=(\d+)(?:,\s*timeout=\d+)?'
-    r"(?:,\s*plot=\w+)?(?:,\s*plot_alt=\w+)?,?\s*\)(?=[\s\S]*\bpanel\.run\(\)\.raise_for_status\(\))"
-)
+# What the book build ran with default arguments and success: the runs it stands for (launchrecord).
+BOOK = launchrecord.load()
 
 
-# A plain command a chapter runs as written and asserts on: chapter 11's `run_python("lessons/X.py", ...)`
-# followed by `assert code == 0`, which is the command `python lessons/X.py ...` run from the course root.
-BOOK_PYTHON = re.compile(
-    r'run_python\(\s*"lessons/(\w+)\.py"((?:,\s*"[^"]*")*)\s*\)\n(?:[^\n]*\n){0,3}?assert code == 0\b'
-)
-
-
-def book_runs():
-    """{(lesson stem, world size): notebook} for the launches in chapters listed in book/_toc.yml, and
-    {command: notebook} for the plain `python lessons/X.py ...` commands they run (BOOK_PYTHON)."""
-    toc = (ROOT / "book" / "_toc.yml").read_text()
-    runs, commands = {}, {}
-    for stem in re.findall(r"^\s*-\s*file:\s*(\S+)", toc, re.M):
-        notebook = ROOT / "book" / f"{stem}.ipynb"
-        if not notebook.exists():
-            continue
-        for cell in json.loads(notebook.read_text())["cells"]:
-            if cell["cell_type"] == "code":
-                source = "".join(cell["source"])
-                for lesson, n in BOOK_LAUNCH.findall(source) + BOOK_PANEL.findall(source):
-                    runs.setdefault((lesson, int(n)), notebook.name)
-                for lesson, name, loop_name, sizes in BOOK_SWEEP.findall(source):
-                    if name == loop_name:
-                        for n in re.findall(r"\d+", sizes):
-                            runs.setdefault((lesson, int(n)), notebook.name)
-                for lesson, args in BOOK_PYTHON.findall(source):
-                    command = " ".join([f"python lessons/{lesson}.py", *re.findall(r'"([^"]*)"', args)])
-                    commands.setdefault(command, notebook.name)
-    return runs, commands
-
-
-BOOK_RUNS, BOOK_COMMANDS = book_runs()
+def book_runs_in_this_session(request):
+    """Whether the book test, which executes every chapter, is part of this pytest session."""
+    return any(item.name == BOOK_TEST for item in request.session.items)
 
 
 def kind_of(lesson):
@@ -119,11 +78,27 @@ def command_world_size(lesson):
 
 
 @pytest.mark.unit
-def test_the_book_runs_that_stand_for_test_runs_are_found():
-    """The skips below rest on reading the chapters: a pattern that stopped matching would run everything
-    twice, silently. Two runs the chapters are known to make must be found."""
-    assert BOOK_RUNS.get(("14_hooks", 4)) == "14_cheaper.ipynb", sorted(BOOK_RUNS)
-    assert BOOK_COMMANDS.get("python lessons/11_spawn.py --world-size 2") == "11_end_to_end.ipynb", BOOK_COMMANDS
+def test_the_book_runs_that_stand_for_test_runs_name_what_exists():
+    """Every run launches.json says the book makes is a lesson (or a command) and a chapter that exist, so
+    that each skip below stands for a real run; the record of a build is checked against it by the book
+    test, and the record itself in tests/test_launchrecord.py."""
+    lessons = {f"lessons/{p.name}" for p in LESSONS}
+    chapters = launchrecord.toc_chapters()
+    assert BOOK.launches and BOOK.commands, f"{launchrecord.SUMMARY} names no run; {launchrecord.REWRITE}"
+    for script, ranks, chapter in sorted(BOOK.launches):
+        assert script in lessons or (ROOT / script).is_file(), f"{launchrecord.SUMMARY}: no file {script}"
+        assert 1 <= ranks <= lessonlib.MAX_NPROC, f"{launchrecord.SUMMARY}: {script} at {ranks} ranks"
+        assert chapter in chapters, f"{launchrecord.SUMMARY}: {chapter} is not in book/_toc.yml"
+    for command, chapter in sorted(BOOK.commands):
+        words = shlex.split(command)
+        assert words[0] in PROGRAMS and any((ROOT / w).is_file() for w in words[1:]), (
+            f"{launchrecord.SUMMARY}: `{command}` runs no file of the course"
+        )
+        assert chapter in chapters, f"{launchrecord.SUMMARY}: {chapter} is not in book/_toc.yml"
+    # The docstring commands the book runs as written are found as the skips below look for them.
+    spawn = ROOT / "lessons" / "11_spawn.py"
+    if spawn.exists():
+        assert BOOK.chapters_running(command_of(spawn)) == ["11_end_to_end.ipynb"], sorted(BOOK.commands)
 
 
 def test_lessons_are_found():
@@ -182,19 +157,20 @@ def test_docstring_command_runs(lesson, request, tmp_path):
     # importing torch afresh, costs some 8-12 CPU-seconds. The command's form is checked for every lesson
     # above, and this file run alone runs all of them.
     command = command_of(lesson)
-    chapter = BOOK_RUNS.get((lesson.stem, command_world_size(lesson)))
+    chapters = BOOK.chapters_launching(f"lessons/{lesson.name}", command_world_size(lesson))
     if (
-        chapter
+        chapters
         and command.startswith("torchrun ")
         and len(shlex.split(command)) == 3
-        and any(item.name == BOOK_TEST for item in request.session.items)
+        and book_runs_in_this_session(request)
     ):
         pytest.skip(
-            f"the book build runs it: {chapter} launches {lesson.name} at {command_world_size(lesson)} "
-            f"ranks under torchrun with default options, as `{command}` does"
+            f"the book build runs it: {chapters[0]} launches {lesson.name} at {command_world_size(lesson)} "
+            f"ranks under torchrun with default options, as `{command}` does, and every rank exits 0"
         )
-    if command in BOOK_COMMANDS and any(item.name == BOOK_TEST for item in request.session.items):
-        pytest.skip(f"the book build runs it: {BOOK_COMMANDS[command]} runs `{command}` and asserts it exits 0")
+    chapters = BOOK.chapters_running(command)
+    if chapters and book_runs_in_this_session(request):
+        pytest.skip(f"the book build runs it: {chapters[0]} runs `{command}`, which exits 0")
     code, out = run_command(command, tmp_path)
     assert code == 0, f"`{command}` (the first line of {lesson.name}'s docstring) exited {code}:\n{out[-5000:]}"
 
@@ -207,11 +183,11 @@ def test_lesson_runs(lesson, world_size, request, tmp_path):
     ):
         pytest.skip(f"{COMMAND_TEST} runs it at {world_size} rank(s), as its command: `{command_of(lesson)}`")
     # World size 1 here is plain `python lessons/X.py`, which a one-rank torchrun launch in the book is not.
-    chapter = BOOK_RUNS.get((lesson.stem, world_size)) if world_size > 1 else None
-    if chapter and any(item.name == BOOK_TEST for item in request.session.items):
+    chapters = BOOK.chapters_launching(f"lessons/{lesson.name}", world_size) if world_size > 1 else []
+    if chapters and book_runs_in_this_session(request):
         pytest.skip(
-            f"the book build runs it: {chapter} launches {lesson.name} at {world_size} ranks with "
-            f"default arguments and raise_for_status()"
+            f"the book build runs it: {chapters[0]} launches {lesson.name} at {world_size} ranks with "
+            f"default arguments, and every rank exits 0"
         )
     kind = kind_of(lesson)
     if kind == "single" and world_size > 1:

@@ -12,9 +12,14 @@ cells, from the per-cell times nbclient records) after the executed notebook was
 status 0), or `{"cell": I, "source": ..., "error": "Name: message", "traceback": ...}` for the cell
 that failed (its index counts markdown cells too; exit status 1). A kernel that dies before its first
 cell is started once more, and says so on stderr.
+
+When the build records what it runs (LESSONLIB_LAUNCH_RECORD, lessonlib.book.launchrecord), the kernel
+is told the chapter's name, so each of its launches is recorded with it, and the record gets a last line
+for the chapter: whether every cell ran.
 """
 
 import json
+import os
 import signal
 import sys
 from datetime import datetime
@@ -23,6 +28,7 @@ from pathlib import Path
 import nbformat
 from jupyter_cache.executors.utils import single_nb_execution
 
+from lessonlib.book import launchrecord
 from lessonlib.processes.lifeline import die_with_parent
 
 KERNEL_STARTS = 2  # a kernel that dies before its first cell is started once more (died_before_its_first_cell)
@@ -104,7 +110,10 @@ def main(argv):
     # If the build that started this process dies, even by SIGKILL, this one gets SIGTERM, on which
     # nbclient shuts the kernel down (and the kernel's launches end with it: lessonlib.processes.lifeline).
     die_with_parent(signal.SIGTERM)
+    if launchrecord.record_file():  # the kernel inherits this environment, so its launches name the chapter
+        os.environ[launchrecord.CHAPTER_VAR] = Path(argv[0]).name
     report = execute(argv[0], argv[1], int(argv[2]))
+    launchrecord.record_chapter("seconds" in report)
     print(json.dumps(report), flush=True)
     sys.exit(0 if "seconds" in report else 1)
 

@@ -29,8 +29,10 @@ So a cold `jupyter-book build book` executes the chapters side by side; a rebuil
 executes nothing; a lesson or lessonlib edit re-executes exactly the chapters that use it. A chapter
 that fails stops the build with its notebook, cell and error named (a LaunchError names the rank);
 the chapters that succeeded stay cached. Each build leaves what it executed, in how long and with how
-many CPU seconds, in `_build/lessonlib-execution.json`. With `execute_notebooks: force` or `off` only
-the first step runs.
+many CPU seconds, in `_build/lessonlib-execution.json`, and what those chapters ran, each launch and
+recorded command with how it ended, in `_build/lessonlib-launches.jsonl` (lessonlib.book.launchrecord:
+both files are rewritten by every build, so a chapter not executed, its cache fresh, is in neither).
+With `execute_notebooks: force` or `off` only the first step runs.
 
 Enabled in _config.yml (`sphinx: config: extensions`).
 """
@@ -53,6 +55,7 @@ import psutil
 from ..paths import ROOT, find_script
 from ..processes.bounded import kill_session, marked_environment, sigterm_cleans_up
 from ..processes.marks import marked_processes, marks_of
+from . import launchrecord
 
 LESSON_PATH = re.compile(r"""["']((?:\.\./)?lessons/[\w./-]+\.py)["']""")
 KEY = "lessonlib_dependencies"  # the field of a cache record's data that holds the dependency key
@@ -152,17 +155,19 @@ class _Executor:
     started: float
 
 
-def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print, shares=None):
+def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print, shares=None, record=None):
     """Execute the notebooks in `jobs` slots, in their order, each in a process (and session) of its own,
     bounded; returns an Execution. A notebook takes `shares[path]` of a slot (default 1: `jobs` at a
-    time); see next_to_start. If this raises, or the build is sent SIGTERM, every executor still running
-    is stopped (stop_executors: SIGTERM, then after STOP_GRACE killed) with everything it started (its
-    kernel, the kernel's launches), and the scratch folder is removed here."""
+    time); see next_to_start. `record`: the file each notebook's launches are recorded in
+    (lessonlib.book.launchrecord), or None for none. If this raises, or the build is sent SIGTERM,
+    every executor still running is stopped (stop_executors: SIGTERM, then after STOP_GRACE killed)
+    with everything it started (its kernel, the kernel's launches), and the scratch folder is removed
+    here."""
     done = Execution(scratch=Path(tempfile.mkdtemp(prefix="lessonlib-book-")))
     running = {}  # {path: _Executor}
     with sigterm_cleans_up():  # SIGTERM unwinds to the `except` below before the build ends
         try:
-            _execute_all(list(paths), running, done, cell_timeout, jobs, timeout, log, shares or {})
+            _execute_all(list(paths), running, done, cell_timeout, jobs, timeout, log, shares or {}, record)
         except BaseException:
             stop_executors(running.values())
             shutil.rmtree(done.scratch, ignore_errors=True)
@@ -234,7 +239,7 @@ def _reap(proc):
     return usage.ru_utime + usage.ru_stime
 
 
-def _execute_all(pending, running, done, cell_timeout, jobs, timeout, log, shares):
+def _execute_all(pending, running, done, cell_timeout, jobs, timeout, log, shares, record):
     """execute_notebooks' loop: start executors while their shares fit in `jobs` slots, collect each as it
     ends or runs late. An executor's CPU seconds are the larger of two counts that each miss some: its
     wait status's (itself and every process it or a descendant waited for; not a Slurm job's, whose
@@ -248,7 +253,7 @@ def _execute_all(pending, running, done, cell_timeout, jobs, timeout, log, share
         while (path := next_to_start(pending, running, jobs, shares)) is not None:
             pending.remove(path)
             number = len(done.executed) + len(running) + len(done.failures)
-            running[path] = _start(path, done, number, cell_timeout)
+            running[path] = _start(path, done, number, cell_timeout, record)
         for path, executor in list(running.items()):
             late = time.monotonic() - executor.started > timeout
             cpu = _reap(executor.proc)
@@ -275,10 +280,15 @@ def _execute_all(pending, running, done, cell_timeout, jobs, timeout, log, share
         time.sleep(0.2)
 
 
-def _start(path, done, number, cell_timeout):
+def _start(path, done, number, cell_timeout, record):
     out = done.scratch / f"{number}-{path.name}"
     logfile = open(done.scratch / f"{out.stem}.log", "w+")
     env, mark = marked_environment()
+    env.pop(launchrecord.CHAPTER_VAR, None)  # the executor names its chapter itself
+    if record is not None:
+        env[launchrecord.RECORD_VAR] = str(record)
+    else:
+        env.pop(launchrecord.RECORD_VAR, None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "lessonlib.book._execute_notebook", str(path), str(out), str(cell_timeout)],
         cwd=ROOT,
@@ -399,13 +409,16 @@ def _execute_stale(app, env, docnames):
     cache = get_cache(config.execution_cache_path)
     stale = find_stale(cache, env, docnames)
     n, done, started = 0, None, time.monotonic()
+    record = Path(app.outdir).parent / launchrecord.RECORD_FILE
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text("")  # this build's runs alone, as its report holds this build's chapters alone
     if stale:
         n = min(jobs(), len(stale))
         shares = {s.path: share(s, n) for s in stale}
         names = ", ".join(s.path.name + (f" ({shares[s.path]} of a slot)" if shares[s.path] < 1 else "") for s in stale)
         logger.info(f"lessonlib.book.rebuild: executing {len(stale)} notebook(s) in {n} slots: {names}")
         paths = [s.path for s in stale]
-        done = execute_notebooks(paths, config.execution_timeout, n, chapter_timeout(), logger.info, shares)
+        done = execute_notebooks(paths, config.execution_timeout, n, chapter_timeout(), logger.info, shares, record)
         cache_executed(cache, stale, done)
     written = report(n, time.monotonic() - started, done)
     Path(app.outdir).parent.joinpath(REPORT).write_text(json.dumps(written, indent=1))

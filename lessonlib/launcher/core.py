@@ -24,6 +24,8 @@ What it guarantees, and how:
   launch, so no process of a run outlives it, whatever the outcome.
 - What the ranks recorded, and what the launcher saw, become a RunResult (lessonlib.launcher.result),
   shown as it goes by a view (lessonlib.view.live).
+- While the book build executes a chapter, each launch adds a line to the build's record of what ran
+  (lessonlib.book.launchrecord); anywhere else nothing is written.
 """
 
 import codecs
@@ -36,6 +38,7 @@ import time
 
 import psutil
 
+from ..book import launchrecord
 from ..machine import loopback_interface
 from ..paths import ROOT
 from ..processes.marks import add_mark, kill_all, new_mark
@@ -126,6 +129,8 @@ def launch(
             raise
         finally:
             result = _despite_interrupts(run.finish)
+    # While the book build executes a chapter, it records what ran (lessonlib.book.launchrecord).
+    launchrecord.record_launch(spec, result)
     return result
 
 

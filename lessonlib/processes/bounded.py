@@ -35,7 +35,7 @@ class Finished:
         return self.stdout if self.stderr is None else self.stdout + self.stderr
 
 
-def run_bounded(argv, timeout, *, cwd=None, env=None, merge_output=True, input=None):
+def run_bounded(argv, timeout, *, cwd=None, env=None, merge_output=True, input=None, record=False):
     """Run `argv` in a session of its own for at most `timeout` seconds, then kill every process it
     started, whether it finished, timed out or was interrupted (Ctrl-C is re-raised after the kill).
 
@@ -43,10 +43,12 @@ def run_bounded(argv, timeout, *, cwd=None, env=None, merge_output=True, input=N
     input, which is then closed (chapter 12 types into pdb this way); without it, the command gets no
     standard input. Output is captured as text; with merge_output, stderr goes into stdout. The
     command has ended when its own process exits, even if something it left behind still holds its
-    output open (output goes to files, not pipes, for that).
+    output open (output goes to files, not pipes, for that). `record`: while the book build executes a
+    chapter, note the command and how it ended in the build's record (lessonlib.book.launchrecord:
+    chapter 11's commands stand for the tests' runs of the same commands); elsewhere it does nothing.
     Never raises on failure or timeout: read the Finished.
     """
-    env, mark = marked_environment(env)
+    given_env, (env, mark) = env, marked_environment(env)
     started = time.monotonic()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
@@ -72,7 +74,7 @@ def run_bounded(argv, timeout, *, cwd=None, env=None, merge_output=True, input=N
         for f in (out, err):
             f.seek(0)
             texts.append(f.read().decode("utf-8", errors="replace"))
-    return Finished(
+    finished = Finished(
         argv=[str(a) for a in argv],
         returncode=proc.returncode,
         stdout=texts[0],
@@ -80,6 +82,11 @@ def run_bounded(argv, timeout, *, cwd=None, env=None, merge_output=True, input=N
         seconds=time.monotonic() - started,
         timed_out=timed_out,
     )
+    if record:
+        from ..book.launchrecord import record_command
+
+        record_command(argv, cwd, given_env, finished)
+    return finished
 
 
 def _write_and_close(pipe, text):
