@@ -36,8 +36,9 @@ import psutil
 import pytest
 
 import lessonlib
-from conftest import HELPERS, kill_processes, line_of, processes_with_env
+from conftest import HELPERS, kill_processes, line_of, processes_with_env, still_found
 from lessonlib import ROOT, run_bounded
+from lessonlib.processes.bounded import poll_until
 
 GONE_GRACE = 3.0  # seconds a process that was just killed gets to finish dying before it counts as left
 KILLED_KERNEL_BOUND = 8.0  # seconds for every process of a run to go after its kernel is SIGKILLed
@@ -84,20 +85,14 @@ class FaultCase:
         return sorted(p.name for p in self.ready.iterdir() if not p.name.endswith(".tmp"))
 
     def wait_ready(self, names, timeout=STARTUP):
-        deadline = time.monotonic() + timeout
-        while not set(names) <= set(self.readied()):
-            assert time.monotonic() < deadline, f"not ready after {timeout} s: have {self.readied()}, want {names}"
-            time.sleep(0.1)
+        poll_until(lambda: set(names) <= set(self.readied()), timeout, what=lambda: f"{names} (have {self.readied()})")
 
     def processes(self):
         return processes_with_env("TEST_TAG", self.tag)
 
     def left_after(self, seconds):
         """The case's processes still alive `seconds` from now (returns as soon as there are none)."""
-        deadline = time.monotonic() + seconds
-        while (left := self.processes()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return left
+        return still_found(self.processes, seconds)
 
     def tmp_contents(self):
         return sorted(str(p.relative_to(self.tmp)) for p in self.tmp.rglob("*"))

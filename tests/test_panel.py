@@ -13,6 +13,7 @@ import time
 import pytest
 
 from lessonlib import ROOT
+from lessonlib.processes.bounded import poll_until
 
 jupyter_client = pytest.importorskip("jupyter_client")
 
@@ -64,12 +65,7 @@ def kernel():
 
 def wait_for(kernel, expression, timeout=90):
     """Poll a boolean expression in the kernel until it holds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if kernel.value(expression):
-            return
-        time.sleep(0.5)
-    pytest.fail(f"{expression} did not become true in {timeout} s")
+    poll_until(lambda: kernel.value(expression), timeout, 0.5, f"{expression} to be true in the kernel")
 
 
 @pytest.mark.timeout(300)
@@ -210,11 +206,9 @@ def test_a_kernel_interrupt_stops_a_background_run(kernel):
 def test_a_kernel_interrupt_stops_panel_run_in_a_cell(kernel):
     _stalling_panel(kernel, "u")
     msg_id = kernel.kc.execute("u.run()")
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:  # the cell is busy: watch its output files, not the kernel
-        time.sleep(1)
-        if kernel.km.is_alive() and _cell_progress(kernel, msg_id):
-            break
+    poll_until(  # the cell is busy: watch its output files, not the kernel
+        lambda: kernel.km.is_alive() and _cell_progress(kernel, msg_id), 90, 1, "the panel to show rank 1 stalled"
+    )
     kernel.km.interrupt_kernel()
     reply = kernel.kc.get_shell_msg(timeout=60)
     while reply["parent_header"].get("msg_id") != msg_id:

@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +20,7 @@ from lessonlib import ROOT, RankOutput, run_bounded
 from lessonlib.cli import catalog
 from lessonlib.cli import main as terminal
 from lessonlib.paths import chapter_files
-from lessonlib.processes.bounded import kill_session
+from lessonlib.processes.bounded import kill_session, poll_until
 
 HANG = HELPERS / "hang.py"
 LESSONS = catalog.lesson_files()
@@ -301,12 +300,13 @@ def test_ctrl_c_exits_130_without_a_traceback_and_leaves_no_process(hang_env):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         env={**os.environ, **env, MARK: mark},
     )
+
+    def stuck():
+        assert proc.poll() is None, f"the runner ended early: exit {proc.returncode}"
+        return all((ready / f).exists() for f in ("rank0.ready", "rank1.ready", "grandchild.pid"))
+
     try:
-        deadline = time.monotonic() + 90
-        while not all((ready / f).exists() for f in ("rank0.ready", "rank1.ready", "grandchild.pid")):
-            assert proc.poll() is None, f"the runner ended early: exit {proc.returncode}"
-            assert time.monotonic() < deadline, f"the ranks were not stuck within 90 s: {os.listdir(ready)}"
-            time.sleep(0.2)
+        poll_until(stuck, 90, interval=0.2, what=lambda: f"the ranks to be stuck (ready: {os.listdir(ready)})")
         assert len(processes_with_env("TEST_TAG", env["TEST_TAG"])) >= 4  # torchrun, 2 ranks, a grandchild
         os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends the runner (its ranks are in other sessions)
         try:

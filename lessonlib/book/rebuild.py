@@ -35,6 +35,7 @@ the first step runs.
 Enabled in _config.yml (`sphinx: config: extensions`).
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -51,7 +52,7 @@ from pathlib import Path
 import psutil
 
 from ..paths import ROOT, find_script
-from ..processes.bounded import kill_session, marked_environment, sigterm_cleans_up
+from ..processes.bounded import kill_session, marked_environment, poll_until, sigterm_cleans_up
 from ..processes.marks import marked_processes, marks_of
 
 LESSON_PATH = re.compile(r"""["']((?:\.\./)?lessons/[\w./-]+\.py)["']""")
@@ -185,10 +186,9 @@ def stop_executors(executors):
     for executor in executors:
         if executor.proc.poll() is None:
             executor.proc.terminate()
-    deadline = time.monotonic() + STOP_GRACE
     try:  # a second SIGTERM during the grace ends the wait, not the kill
-        while time.monotonic() < deadline and any(marked_processes(e.mark) for e in executors):
-            time.sleep(0.2)
+        with contextlib.suppress(TimeoutError):  # then the kill below
+            poll_until(lambda: not any(marked_processes(e.mark) for e in executors), STOP_GRACE, 0.2)
     finally:
         for executor in executors:
             kill_session(executor.proc, executor.mark)

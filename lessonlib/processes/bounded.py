@@ -44,7 +44,7 @@ def poll_until(check, timeout, interval=0.1, what=None):
         if left <= 0:
             said = what() if callable(what) else what
             said = said or f"{getattr(check, '__qualname__', check)}() to return something true"
-            raise TimeoutError(f"waited {timeout:g} s for {said}, in vain")
+            raise TimeoutError(f"waited {timeout:g} s in vain for {said}")
         time.sleep(min(interval, left))
 
 
