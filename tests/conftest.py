@@ -96,6 +96,14 @@ def processes_with_env(var, value):
 kill_processes = kill_all
 
 
+def ended_by(bound, seconds):
+    """Whether something that its own `bound` (a timeout the test configured) ended took `seconds` as such a
+    thing does: not less than the bound, and less than twice it. The upper limit is a hang guard made of the
+    bound itself, not a speed: what follows a bound (stacks printed, processes killed) takes seconds, and a
+    busy machine makes that slower but not a bound's worth."""
+    return bound <= seconds < 2 * bound
+
+
 def still_found(scan, seconds, interval=0.1):
     """What `scan()` (a list: processes, files, namespaces that are going) still finds once it finds nothing
     or `seconds` have passed, looking every `interval` seconds: the caller asserts it empty, naming what is left."""
