@@ -85,7 +85,6 @@ with Hosts(2) as net:
 TWO_LAUNCHES = """
 import json, sys
 import lessonlib
-from conftest import still_found
 for env in (None, {"GLOO_SOCKET_IFNAME": "eth0"}):
     run = lessonlib.launch("lessons/16_hosts.py", nproc=2, show="none", timeout=60, env=env)
     run.raise_for_status()
