@@ -10,9 +10,9 @@ Tests marked `unit` (the tier `make unit` runs alone) may start no process at al
 any, and such a test fails.
 """
 
+import contextlib
 import os
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from lessonlib import ROOT
+from lessonlib.processes.bounded import poll_until
 from lessonlib.processes.marks import kill_all, marked_processes, marks_of
 
 HELPERS = ROOT / "tests" / "helpers"  # the scripts tests launch as ranks, each with a docstring
@@ -95,14 +96,31 @@ def processes_with_env(var, value):
 kill_processes = kill_all
 
 
+def ended_by(bound, seconds):
+    """Whether something that its own `bound` (a timeout the test configured) ended took `seconds` as such a
+    thing does: not less than the bound, and less than twice it. The upper limit is a hang guard made of the
+    bound itself, not a speed: what follows a bound (stacks printed, processes killed) takes seconds, and a
+    busy machine makes that slower but not a bound's worth."""
+    return bound <= seconds < 2 * bound
+
+
+def still_found(scan, seconds, interval=0.1):
+    """What `scan()` (a list: processes, files, namespaces that are going) still finds once it finds nothing
+    or `seconds` have passed, looking every `interval` seconds: the caller asserts it empty, naming what is left."""
+    found = []
+
+    def gone():
+        found[:] = scan()
+        return not found
+
+    with contextlib.suppress(TimeoutError):
+        poll_until(gone, seconds, interval)
+    return found
+
+
 def leaked_processes(match=_looks_like_launch, grace=LEAK_GRACE):
     """stray_processes(match) that are still alive after `grace` seconds."""
-    deadline = time.monotonic() + grace
-    while True:
-        found = stray_processes(match)
-        if not found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.1)
+    return still_found(lambda: stray_processes(match), grace)
 
 
 @pytest.fixture(autouse=True)

@@ -38,7 +38,7 @@ from lessonlib.launcher.core import _environment as launch_environment
 from lessonlib.launcher.request import TORCHRUN_ENV, check_launch
 from lessonlib.launcher.result import Ending, read_result
 from lessonlib.launcher.watch import RankWatch, dump_stacks_then_kill
-from lessonlib.processes.bounded import run_bounded
+from lessonlib.processes.bounded import poll_until, run_bounded
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 180  # seconds per run: a 2-core machine under load
@@ -190,17 +190,20 @@ def run_ranks(lesson, world_size, tmp_path, args=(), timeout=TIMEOUT, plain=Fals
             for rank in range(world_size):
                 env = {**base} if plain else {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
                 procs.append(start_rank(spec.script, spec.args, ROOT, env))
-            deadline, failed_at = t0 + timeout, None
-            while any(p.exitcode is None for p in procs):
+            failed_at = []  # when a rank first failed
+
+            def settled():  # every rank has ended, or FAILURE_GRACE has passed since one failed
                 watch.poll()
-                if time.monotonic() > deadline:
-                    timed_out = True
-                    break
-                if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                    failed_at = time.monotonic()
-                if failed_at is not None and time.monotonic() > failed_at + FAILURE_GRACE:
-                    break
-                time.sleep(0.05)
+                if all(p.exitcode is not None for p in procs):
+                    return True
+                if not failed_at and any(p.exitcode not in (None, 0) for p in procs):
+                    failed_at.append(time.monotonic())
+                return bool(failed_at) and time.monotonic() > failed_at[0] + FAILURE_GRACE
+
+            try:
+                poll_until(settled, max(0.0, t0 + timeout - time.monotonic()), 0.05)
+            except TimeoutError:
+                timed_out = True
         finally:
             watch.poll()
             dump_stacks_then_kill(run_id, watch)

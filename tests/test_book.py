@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import pytest
 
 from lessonlib import ROOT, run_bounded
 from lessonlib.book import launchrecord, rebuild
-from lessonlib.processes.bounded import marked_environment
+from lessonlib.processes.bounded import marked_environment, poll_until
 from lessonlib.processes.marks import kill_all, marked_processes
 
 JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
@@ -306,27 +305,29 @@ def test_a_book_build_stopped_mid_chapter_leaves_no_process_behind(tmp_path, sig
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+
+    def launch_started():
+        assert build.poll() is None, (
+            f"the build ended before its launch started:\n{(tmp_path / 'build.log').read_text()}"
+        )
+        return asleep.exists()
+
     try:
-        deadline = time.monotonic() + 150
-        while not asleep.exists():
-            assert build.poll() is None, (
-                f"the build ended before its launch started:\n{(tmp_path / 'build.log').read_text()}"
-            )
-            assert time.monotonic() < deadline, "the chapter's launch did not start in 150 s"
-            time.sleep(0.5)
+        poll_until(launch_started, 150, interval=0.5, what="the chapter's launch to start")
         os.kill(build.pid, sig)
         build.wait(timeout=rebuild.STOP_GRACE + 10)  # the executors' grace, then the kill
-        deadline = time.monotonic() + 30
-        while marked_processes(mark) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        left = [" ".join(p.cmdline())[:150] for p in marked_processes(mark)]
-        assert not left, f"{len(left)} process(es) of the build outlived it by 30 s: {left}"
-        # The launch's run folder (lessonlib-<id>-*) goes with its processes; after SIGTERM the build's
-        # own scratch folder too (after SIGKILL nothing runs in the build to remove that one).
-        runs = lambda: [p.name for p in scratch.glob("lessonlib-*") if not p.name.startswith("lessonlib-book-")]  # noqa: E731
-        while runs() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not runs(), f"the launch's run folder outlived it: {sorted(p.name for p in scratch.iterdir())}"
+
+        # Within 30 s, every process of the build; and the launch's run folder (lessonlib-<id>-*), which goes
+        # with its processes. After SIGTERM the build's own scratch folder too (after SIGKILL nothing runs in
+        # the build to remove that one).
+        def left():
+            procs = [" ".join(p.cmdline())[:150] for p in marked_processes(mark)]
+            runs = [p.name for p in scratch.glob("lessonlib-*") if not p.name.startswith("lessonlib-book-")]
+            return procs + runs
+
+        poll_until(
+            lambda: not left(), 30, interval=0.5, what=lambda: f"the build's processes and run folder to go: {left()}"
+        )
         if sig == signal.SIGTERM:
             assert build.returncode == -signal.SIGTERM, build.returncode
             assert sorted(p.name for p in scratch.iterdir()) == [], f"left in TMPDIR: {list(scratch.iterdir())}"

@@ -43,8 +43,9 @@ from axe_playwright_python.sync_playwright import Axe
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
-from conftest import processes_with_env
+from conftest import processes_with_env, still_found
 from lessonlib import ROOT
+from lessonlib.processes.bounded import poll_until
 from test_book import BOOK_TEST_TIMEOUT, tracked_notebooks
 
 CHROMIUM = shutil.which("chromium")
@@ -738,16 +739,21 @@ def jupyterlab(tmp):
     log = open(tmp / "lab.log", "w+")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = None
+
+    def said():
+        log.seek(0)
+        return f"(exit {proc.poll()}):\n{log.read()[-3000:]}"
+
+    def lab_url():
+        if proc.poll() is not None:
+            pytest.fail(f"JupyterLab did not start {said()}")
+        for info in (tmp / "runtime").glob(f"jpserver-{proc.pid}.json"):
+            with contextlib.suppress(ValueError):
+                return f"http://127.0.0.1:{json.loads(info.read_text())['port']}/"
+        return None
+
     try:
-        deadline = time.monotonic() + 120
-        while url is None:
-            for info in (tmp / "runtime").glob(f"jpserver-{proc.pid}.json"):
-                with contextlib.suppress(ValueError):
-                    url = f"http://127.0.0.1:{json.loads(info.read_text())['port']}/"
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"JupyterLab did not start (exit {proc.poll()}):\n{log.read()[-3000:]}")
-            time.sleep(0.2)
+        url = poll_until(lab_url, 120, interval=0.2, what=lambda: f"JupyterLab to start {said()}")
         yield url, token, log
     finally:
         leftovers = stop_lab(proc, url, token, mark)
@@ -771,10 +777,7 @@ def stop_lab(proc, url, token, mark):
             os.killpg(proc.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
-    deadline, left = time.monotonic() + 10, lab_processes(mark)
-    while left and time.monotonic() < deadline:  # kernels that were told to stop, still stopping
-        time.sleep(0.2)
-        left = lab_processes(mark)
+    left = still_found(lambda: lab_processes(mark), 10, 0.2)  # kernels that were told to stop, still stopping
     described = []
     for p in left:
         with contextlib.suppress(psutil.Error):

@@ -21,12 +21,13 @@ import re
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 
 import pytest
 
 from lessonlib import ROOT, started
 from lessonlib.cluster.hosts import Hosts, unavailable
+from lessonlib.processes.bounded import poll_until
 
 BOUND = 60.0  # seconds for any one torchrun of these tests; every wait inside has its own, shorter one
 READ_TIMEOUT = 5  # the rendezvous's store operations (torch's default: 60 s)
@@ -66,9 +67,9 @@ def environment(**extra):
 
 
 def wait_all(procs, bound):
-    deadline = time.monotonic() + bound
-    while any(p.proc.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    """The exit codes of `procs` (Started) once all have ended or `bound` seconds have passed (None: running)."""
+    with suppress(TimeoutError):
+        poll_until(lambda: all(p.proc.poll() is not None for p in procs), bound)
     return [p.proc.poll() for p in procs]
 
 

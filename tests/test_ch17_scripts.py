@@ -16,6 +16,7 @@ import pytest
 
 from lessonlib import ROOT
 from lessonlib.cluster.slurm import Slurm, unavailable
+from lessonlib.processes.bounded import poll_until
 
 SCRIPTS = sorted((ROOT / "lessons" / "slurm").glob("*.sbatch"))
 JOB_BOUND = 120.0  # seconds for a job of torch ranks to end (about 10 s here)
@@ -58,15 +59,6 @@ def cluster():
         yield cluster
 
 
-def wait_for(check, bound, what):
-    deadline = time.monotonic() + bound
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {what} within {bound:.0f} s")
-        time.sleep(0.2)
-    return value
-
-
 @GROUP
 @pytest.mark.timeout(240)
 def test_torchrun_sbatch_runs_a_correct_job_of_4_ranks(cluster):
@@ -86,8 +78,11 @@ def test_a_failing_node_makes_slurm_end_the_waiting_one_and_without_the_option_i
     for kill in (1, 0):
         text = one_rank.replace("--kill-on-bad-exit=1", f"--kill-on-bad-exit={kill}")
         job = cluster.sbatch(text, script)
-        wait_for(
-            lambda job=job: re.search(r"srun: error: node2: task 1: Exited", cluster.output(job)), JOB_BOUND, "failure"
+        poll_until(
+            lambda job=job: re.search(r"srun: error: node2: task 1: Exited", cluster.output(job)),
+            JOB_BOUND,
+            0.2,
+            f"srun to report task 1's failure in job {job}",
         )
         failed = time.monotonic()
         assert "node 0's rank: waiting" in cluster.output(job), cluster.output(job)
@@ -119,7 +114,7 @@ def test_requeue_sbatch_comes_back_after_a_real_preemption_and_resumes_exactly(c
     ckpt = cluster.folder / "checkpoints" / "test-preempt"
     lesson = ["lessons/12_preempt.py", "--dir", ckpt, "--steps", "8", "--every", "100", "--step-time", "0.5"]
     job = cluster.sbatch("lessons/slurm/requeue.sbatch", *lesson)
-    wait_for(lambda: "step 2 done" in cluster.output(job), STEP_BOUND, f"step 2 of job {job}")
+    poll_until(lambda: "step 2 done" in cluster.output(job), STEP_BOUND, 0.2, f"step 2 of job {job}")
     urgent = cluster.sbatch("#!/bin/bash\n#SBATCH --nodes=2\nsrun hostname\n", options=["--partition=urgent"])
     fields = cluster.wait(job, JOB_BOUND + 60, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
     out = cluster.output(job)

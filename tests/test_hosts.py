@@ -21,14 +21,17 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager, suppress
+from functools import partial
 from pathlib import Path
 
 import psutil
 import pytest
 
 import lessonlib
+from conftest import still_found
 from lessonlib import ROOT
 from lessonlib.cluster.hosts import NETNS_ETC, Hosts, unavailable
+from lessonlib.processes.bounded import poll_until
 from lessonlib.sockets import parse_proc_net_tcp
 
 LESSON = "lessons/16_hosts.py"
@@ -112,12 +115,11 @@ def leftovers(token):
 
 def wait_gone(token, procs=(), bound=GONE_BOUND):
     """Wait until nothing of network `token` and none of `procs` (psutil.Process) is left; return what is."""
-    deadline = time.monotonic() + bound
-    while True:
-        left = leftovers(token) + [f"pid {p.pid}: {_cmdline(p.pid)}" for p in procs if _alive(p)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
+
+    def left():
+        return leftovers(token) + [f"pid {p.pid}: {_cmdline(p.pid)}" for p in procs if _alive(p)]
+
+    return still_found(left, bound)
 
 
 def _alive(proc):
@@ -190,14 +192,14 @@ def start_owner():
         token = read_line(child, START_BOUND, "token from the child that makes the hosts")
         keeper = [p for p in psutil.Process(child.pid).children() if "_netkeeper" in str(_cmdline(p.pid))]
         assert len(keeper) == 1, f"the child's keeper: {keeper}"
-        deadline, sleeps = time.monotonic() + 10, []
-        while not sleeps and time.monotonic() < deadline:
+
+        def sleeping():
             out = subprocess.run(
                 ["ip", "netns", "pids", f"lh{token}-host1"], capture_output=True, text=True, timeout=10
             )
-            sleeps = [p for p in map(int, out.stdout.split()) if _cmdline(p) == ["sleep", "60"]]
-            time.sleep(0.05)
-        assert sleeps, f"no `sleep 60` in namespace lh{token}-host1 within 10 s"
+            return [p for p in map(int, out.stdout.split()) if _cmdline(p) == ["sleep", "60"]]
+
+        sleeps = poll_until(sleeping, 10, interval=0.05, what=f"`sleep 60` in namespace lh{token}-host1")
         return child, token, [psutil.Process(p) for p in sleeps] + keeper
     except BaseException:
         child.kill()  # its keeper then removes its hosts
@@ -384,18 +386,26 @@ def launches_on(net, host):
         lines = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in child.stdout], daemon=True).start()
         deadline = time.monotonic() + 150
+
+        def said():
+            err.seek(0)
+            return f"(exit {child.poll()}):\n{err.read()}"
+
+        def next_run(seen):
+            seen |= listening_addresses(child.pid, host)
+            try:
+                return json.loads(lines.get_nowait())
+            except queue.Empty:
+                if child.poll() is not None:
+                    pytest.fail(f"the launches on {host} did not end well {said()}")
+                return None
+
         try:
             for _ in range(2):
                 seen = set()
-                while True:
-                    seen |= listening_addresses(child.pid, host)
-                    try:
-                        runs.append((json.loads(lines.get(timeout=0.01)), seen))
-                        break
-                    except queue.Empty:
-                        if child.poll() is not None or time.monotonic() > deadline:
-                            err.seek(0)
-                            pytest.fail(f"the launches on {host} did not end well (exit {child.poll()}):\n{err.read()}")
+                left = max(0.0, deadline - time.monotonic())
+                run = poll_until(partial(next_run, seen), left, 0.01, lambda: f"the launches on {host} {said()}")
+                runs.append((run, seen))
                 child.stdin.write("next\n")
                 child.stdin.flush()
             assert child.wait(timeout=30) == 0

@@ -20,9 +20,10 @@ import psutil
 import pytest
 
 import lessonlib
-from conftest import HELPERS, processes_with_env
+from conftest import HELPERS, ended_by, processes_with_env
 from lessonlib import ROOT, run_bounded
 from lessonlib.launcher.fastpath import forkrank
+from lessonlib.processes.bounded import poll_until
 from lessonlib.processes.marks import MARKS_VAR
 
 PRINT_LINES = HELPERS / "print_lines.py"
@@ -58,15 +59,19 @@ def alive_with_env(pids, name, value):
 
 def wait_for_files(paths, timeout, proc=None):
     """Wait until every path exists; fail after `timeout` seconds or if `proc` exits first."""
-    deadline = time.monotonic() + timeout
-    while not all(Path(p).exists() for p in paths):
+
+    def missing():
+        return [str(p) for p in paths if not Path(p).exists()]
+
+    def ready():
+        if not missing():
+            return True
         if proc is not None and proc.poll() is not None:
             out, err = proc.communicate(timeout=10)
             pytest.fail(f"launcher process exited {proc.returncode} before the ranks were ready:\n{err}")
-        if time.monotonic() > deadline:
-            missing = [str(p) for p in paths if not Path(p).exists()]
-            pytest.fail(f"not ready after {timeout} s; missing {missing}")
-        time.sleep(0.1)
+        return False
+
+    poll_until(ready, timeout, what=lambda: f"the ranks to be ready; missing {missing()}")
 
 
 # --------------------------------------------------------------------------- capture and rendering
@@ -189,10 +194,10 @@ def test_timeout_is_reported_and_bounded(hung_run):
     # Without this the timeout would have struck during start-up, and the test would prove little.
     assert hung_run["ready"] == ["grandchild.pid", "rank0.ready", "rank1.ready", "rank2.ready"], hung_run["ready"]
     assert run.timed_out and not run.ok
-    assert hung_run["elapsed"] < run.timeout + 10, (
+    assert run.timeout == HANG_TIMEOUT and ended_by(HANG_TIMEOUT, hung_run["elapsed"]), (
         f"timeout {HANG_TIMEOUT} s, launch returned after {hung_run['elapsed']:.1f} s"
     )
-    assert run.wall_time < run.timeout + 10
+    assert ended_by(HANG_TIMEOUT, run.wall_time), f"timeout {HANG_TIMEOUT} s, wall time {run.wall_time:.1f} s"
     assert [r.status for r in run.ranks] == ["hung"] * 3
     with pytest.raises(lessonlib.LaunchError, match=f"timed out after {HANG_TIMEOUT} s"):
         run.raise_for_status()
@@ -408,10 +413,12 @@ def test_leak_scan_sees_a_marked_process(leak_scan):
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 10
-        while sleeper.pid not in {p.pid for p in leak_scan()}:
-            assert time.monotonic() < deadline, "the leak scan did not see a process carrying the run marker"
-            time.sleep(0.05)
+        poll_until(
+            lambda: sleeper.pid in {p.pid for p in leak_scan()},
+            10,
+            0.05,
+            "the leak scan to see a process carrying the run marker",
+        )
     finally:
         sleeper.kill()
         sleeper.wait(timeout=10)
@@ -629,11 +636,13 @@ def test_sigterm_to_a_process_in_run_bounded_kills_the_command_first():
         [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True
     )
     try:
-        deadline, started = time.monotonic() + 60, []
-        while not any(p.cmdline()[-1:] == ["import time; time.sleep(600)"] for p in started):
-            assert waiter.poll() is None and time.monotonic() < deadline, "the command's child never started"
-            time.sleep(0.1)
-            started = psutil.Process(waiter.pid).children(recursive=True)
+
+        def children():
+            assert waiter.poll() is None, f"the waiter exited {waiter.returncode} before the command's child started"
+            found = psutil.Process(waiter.pid).children(recursive=True)
+            return found if any(p.cmdline()[-1:] == ["import time; time.sleep(600)"] for p in found) else None
+
+        started = poll_until(children, 60, what="the command's child to start")
         waiter.send_signal(signal.SIGTERM)
         assert waiter.wait(timeout=20) == -signal.SIGTERM, "it should end as SIGTERM ends a process"
         time.sleep(0.5)  # killed processes finish dying
@@ -683,14 +692,19 @@ def test_started_kills_everything_it_started(how):
     with started(detached(600), timeout=3 if how == "bound fires" else 60) as job:
         child = job.poll_until(lambda: job.output().split() and int(job.output().split()[0]), timeout=30)
         if how == "bound fires":
-            deadline = time.monotonic() + 30
-            while job.proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert job.proc.poll() is not None, "the bound did not end the command"
-    deadline = time.monotonic() + 10
-    while not _gone(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _gone(child), f"pid {child}, started by the command in a session of its own, outlived it"
+            poll_until(lambda: job.proc.poll() is not None, 30, what="the bound to end the command")
+    poll_until(lambda: _gone(child), 10, what=f"pid {child}, started by the command in a session of its own, to end")
+
+
+def test_started_poll_until_gives_up_as_soon_as_the_command_exits():
+    """Started.poll_until (lessonlib.processes.bounded.poll_until with the command's state): a check that can
+    no longer come true because the command ended is said at once, with the command's output, not after
+    the bound (that message exists only on this path)."""
+    from lessonlib import started
+
+    with started([sys.executable, "-c", "print('all done here')"], timeout=60) as job:
+        with pytest.raises(TimeoutError, match=r"was never true: it exited 0; its output so far:\nall done here"):
+            job.poll_until(lambda: False, timeout=60)
 
 
 def test_run_bounded_types_its_input_and_a_command_that_never_reads_it_still_ends():

@@ -15,15 +15,16 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from conftest import still_found
 from lessonlib import ROOT
 from lessonlib.cluster.hosts import unavailable as hosts_unavailable
 from lessonlib.cluster.slurm import PROGRAMS, Slurm, unavailable
 from lessonlib.dist import _tasks_on_node, from_slurm
+from lessonlib.processes.bounded import poll_until
 from test_hosts import NETNS_RUN, read_line
 from test_hosts import leftovers as network_leftovers
 
@@ -91,12 +92,7 @@ def leftovers(token, folder):
 
 def wait_gone(token, folder, bound=GONE_BOUND):
     """Wait until nothing of cluster `token` is left (leftovers); return what is."""
-    deadline = time.monotonic() + bound
-    while True:
-        left = leftovers(token, folder)
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
+    return still_found(lambda: leftovers(token, folder), bound)
 
 
 def assert_running(token, folder):
@@ -104,16 +100,6 @@ def assert_running(token, folder):
     assert {f"lh{token}-login", f"lh{token}-node1", f"lh{token}-switch"} <= set(os.listdir(NETNS_RUN))
     assert (Path(folder) / "slurm.conf").is_file()
     assert DAEMONS <= programs(carrying(str(folder))), carrying(str(folder))
-
-
-def poll(check, bound, what):
-    """check()'s first true value, polled every 0.2 s for at most `bound` seconds."""
-    deadline = time.monotonic() + bound
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {what} within {bound:.0f} s")
-        time.sleep(0.2)
-    return value
 
 
 # --------------------------------------------------------------------------- refused before anything is made
@@ -306,17 +292,17 @@ def test_scancel_ends_a_running_jobs_ranks_at_once(cluster):
     form; this job is the one it does not run)."""
     lesson = ["lessons/12_preempt.py", "--no-handler", "--steps", "100", "--step-time", "0.5"]
     job = cluster.sbatch("lessons/slurm/srun.sbatch", *lesson, options=["--ntasks-per-node=1"])
-    poll(lambda: "step 2 done" in cluster.output(job), STEP_BOUND, f"'step 2 done' from job {job}")
+    poll_until(lambda: "step 2 done" in cluster.output(job), STEP_BOUND, 0.2, f"'step 2 done' from job {job}")
     running = cluster.processes("lessons/")  # the batch script, srun and the ranks
     ranks = sorted(node for node, _, cmd in running if cmd.split()[0].endswith("python") and "slurm_script" not in cmd)
     assert ranks == ["node1", "node2"], running  # so the check below can fail
     cancelled = cluster.run(["scancel", job], timeout=10)
     assert cancelled.returncode == 0, cancelled.stdout
-    started = time.monotonic()
-    deadline = started + CANCEL_BOUND
-    while (left := cluster.processes("lessons/")) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert left == [], f"{len(left)} process(es) of job {job} {CANCEL_BOUND:.0f} s after scancel: {left}"
+    poll_until(
+        lambda: not cluster.processes("lessons/"),
+        CANCEL_BOUND,
+        what=lambda: f"every process of job {job} to end after scancel (left: {cluster.processes('lessons/')})",
+    )
     assert cluster.wait(job, CANCEL_BOUND)["JobState"] == "CANCELLED"
 
 

@@ -52,6 +52,28 @@ def course_files(suffix):
     return found
 
 
+def lessonlib_packages():
+    """Every package of lessonlib, itself included: each folder under it that has an __init__.py."""
+    return sorted(p.parent for p in (ROOT / "lessonlib").rglob("__init__.py") if not NOT_THE_COURSES & set(p.parts))
+
+
+def missing_packages(files):
+    """The lessonlib packages (as folders relative to the root) that have no module among `files`."""
+    covered = {Path(f).parent for f in files}
+    return [str(p.relative_to(ROOT)) for p in lessonlib_packages() if p not in covered]
+
+
+@pytest.mark.unit
+def test_every_lessonlib_package_is_known_here():
+    """The packages the checks below must reach. A new one is found by the walk, not by a list; this list only
+    makes sure the walk sees those that exist today."""
+    found = {str(p.relative_to(ROOT)) for p in lessonlib_packages()}
+    today = {"lessonlib", *(f"lessonlib/{s}" for s in ("launcher", "launcher/fastpath", "view", "processes"))}
+    today |= {f"lessonlib/{s}" for s in ("cluster", "cli", "notebook", "book")}
+    assert today <= found, sorted(today - found)
+    assert missing_packages(course_files(".py")) == [], "course_files misses a package"
+
+
 def test_ruff_covers_the_notebooks_and_every_python_folder():
     """The check above is only as good as what it reads: every chapter and every Python file, in every
     folder and subfolder (lessonlib's subpackages, tests/helpers, lessons/recipes, ...)."""
@@ -60,6 +82,7 @@ def test_ruff_covers_the_notebooks_and_every_python_folder():
     assert len(wanted) > len(LESSONS) + 50 and ROOT / "lessonlib" / "launcher" / "core.py" in wanted, wanted
     missing = [str(p.relative_to(ROOT)) for p in wanted if str(p) not in listed]
     assert not missing, f"ruff does not read: {missing}"
+    assert missing_packages(listed) == [], "ruff reads no module of these packages"
 
 
 def _assigned_names(tree):
@@ -72,7 +95,9 @@ def test_the_course_root_and_the_lesson_glob_are_defined_once():
     benchmarks import them (`from lessonlib import ROOT`, lessonlib.cli.catalog.lesson_files). Only
     lessonlib/gpucheck.py keeps its own ROOT: it runs on a GPU machine with torch and the standard library
     alone. (A lesson that adds the checkout to sys.path, to run without an install, computes it itself.)"""
-    sides = [p for folder in ("lessonlib", "tests", "benchmarks") for p in course_files(".py") if folder in p.parts]
+    # By the first folder under the root: the root's own path may hold any name (a checkout in .../tests).
+    sides = [p for p in course_files(".py") if p.relative_to(ROOT).parts[0] in ("lessonlib", "tests", "benchmarks")]
+    assert missing_packages(sides) == [], "the check misses a lessonlib package"
     own = {ROOT / "lessonlib" / "paths.py", ROOT / "lessonlib" / "gpucheck.py"}
     roots = [
         str(p.relative_to(ROOT)) for p in sides if p not in own and "ROOT" in _assigned_names(ast.parse(p.read_text()))

@@ -9,19 +9,18 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import HELPERS, kill_processes, processes_with_env
+from conftest import HELPERS, ended_by, kill_processes, processes_with_env
 from lessonlib import ROOT, RankOutput, run_bounded
 from lessonlib.cli import catalog
 from lessonlib.cli import main as terminal
 from lessonlib.paths import chapter_files
-from lessonlib.processes.bounded import kill_session
+from lessonlib.processes.bounded import kill_session, poll_until
 
 HANG = HELPERS / "hang.py"
 LESSONS = catalog.lesson_files()
@@ -262,10 +261,13 @@ def hang_env(tmp_path):
 
 # Each rank says it is ready, then sleeps: a run that only the timeout ends. No torch in the ranks, so
 # they start at once; 40 s leaves torchrun's agent time to start them on a loaded 2-core machine.
+SLEEPER_TIMEOUT = 40
+
+
 def test_a_timeout_says_so_and_leaves_no_process(hang_env):
     env, ready = hang_env
     sleeper = HELPERS / "sleeper.py"
-    code, out, err, seconds = cli("run", str(sleeper), "-n", "2", "--timeout", "40", env=env)
+    code, out, err, seconds = cli("run", str(sleeper), "-n", "2", "--timeout", str(SLEEPER_TIMEOUT), env=env)
     assert code == terminal.EXIT_TIMEOUT, shown(code, out, err)
     assert sorted(os.listdir(ready)) == ["rank0.ready", "rank1.ready"], (
         f"the run timed out before the ranks were sleeping: {os.listdir(ready)}"
@@ -279,7 +281,7 @@ def test_a_timeout_says_so_and_leaves_no_process(hang_env):
         err,
         re.M,
     ), err
-    assert seconds < 40 + 30, f"a 40 s timeout took {seconds:.0f} s"
+    assert ended_by(SLEEPER_TIMEOUT, seconds), f"a {SLEEPER_TIMEOUT} s timeout took {seconds:.0f} s"
     assert processes_with_env("TEST_TAG", env["TEST_TAG"]) == []
 
 
@@ -301,12 +303,13 @@ def test_ctrl_c_exits_130_without_a_traceback_and_leaves_no_process(hang_env):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         env={**os.environ, **env, MARK: mark},
     )
+
+    def stuck():
+        assert proc.poll() is None, f"the runner ended early: exit {proc.returncode}"
+        return all((ready / f).exists() for f in ("rank0.ready", "rank1.ready", "grandchild.pid"))
+
     try:
-        deadline = time.monotonic() + 90
-        while not all((ready / f).exists() for f in ("rank0.ready", "rank1.ready", "grandchild.pid")):
-            assert proc.poll() is None, f"the runner ended early: exit {proc.returncode}"
-            assert time.monotonic() < deadline, f"the ranks were not stuck within 90 s: {os.listdir(ready)}"
-            time.sleep(0.2)
+        poll_until(stuck, 90, interval=0.2, what=lambda: f"the ranks to be stuck (ready: {os.listdir(ready)})")
         assert len(processes_with_env("TEST_TAG", env["TEST_TAG"])) >= 4  # torchrun, 2 ranks, a grandchild
         os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends the runner (its ranks are in other sessions)
         try:

@@ -27,6 +27,7 @@ same script. Real gloo, every run bounded and every process it started killed af
 """
 
 import ast
+import contextlib
 import importlib.util
 import io
 import json
@@ -46,6 +47,7 @@ import torch
 import lessonlib
 from lessonlib import ROOT, run_bounded, started
 from lessonlib.notebook.scriptdiff import AMP_LINES, read, split_changes
+from lessonlib.processes.bounded import poll_until
 
 SCRIPT, ONE = ROOT / "lessons" / "train_ddp.py", ROOT / "lessons" / "train_one.py"
 REGRESSION = ROOT / "lessons" / "train_regression.py"
@@ -259,19 +261,20 @@ def drain_later(fifo, delay, deadline=120):
     def drain():
         time.sleep(delay)
         fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # never blocks, even if no writer ever comes
-        end = time.monotonic() + deadline
-        try:
-            while time.monotonic() < end:
+
+        def drained():  # reads all there is now; true once the writer closed it, or none will come
+            while True:
                 try:
                     chunk = os.read(fd, 1 << 20)
                 except BlockingIOError:
-                    chunk = None
-                if chunk == b"" and (got or enough.is_set()):
-                    return  # the writer closed it, or none will come
-                if chunk:
-                    got.extend(chunk)
-                else:
-                    time.sleep(0.02)
+                    return False  # the writer has more to come
+                if chunk == b"":
+                    return bool(got) or enough.is_set()
+                got.extend(chunk)
+
+        try:
+            with contextlib.suppress(TimeoutError):  # the test then finds the bytes missing
+                poll_until(drained, deadline, 0.02)
         finally:
             os.close(fd)
 

@@ -41,7 +41,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lessonlib import ROOT, run_bounded
-from lessonlib.processes.bounded import kill_session, marked_environment
+from lessonlib.processes.bounded import kill_session, marked_environment, poll_until
 from lessonlib.processes.marks import marked_processes
 
 SCRIPT = ROOT / "lessons" / "train_fsdp.py"
@@ -133,9 +133,12 @@ def test_sigterm_mid_epoch_to_torchrun_then_the_same_command_resumes_bit_exact(t
             start_new_session=True,
         )  # fmt: skip
         try:
-            deadline = time.monotonic() + TIMEOUT
-            while "epoch 0:" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
+            poll_until(
+                lambda: "epoch 0:" in log.read_text() or proc.poll() is not None,
+                TIMEOUT,
+                0.05,
+                lambda: f"epoch 0's line:\n{log.read_text()}",
+            )
             assert proc.poll() is None, f"ended before epoch 0's line:\n{log.read_text()}"
             proc.send_signal(signal.SIGTERM)  # as Slurm or Kubernetes would, to the launcher: it forwards it
             proc.wait(timeout=60)
@@ -164,17 +167,24 @@ def test_sigterm_mid_epoch_to_torchrun_then_the_same_command_resumes_bit_exact(t
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.old")), list(tmp_path.iterdir())
 
 
+def left(deadline):
+    """Seconds from now to `deadline` (a time.monotonic()), none if it has passed: a bound shared by waits."""
+    return max(0.0, deadline - time.monotonic())
+
+
 def rank_process(mark, rank, deadline):
     """torchrun's worker process for `rank`, among the processes that carry run_bounded's `mark`."""
-    while time.monotonic() < deadline:
+
+    def found():
         for p in marked_processes(mark):
             try:
                 if p.environ().get("RANK") == str(rank) and str(SCRIPT) in p.cmdline():
                     return p
             except psutil.Error:
                 pass
-        time.sleep(0.1)
-    pytest.fail(f"no rank {rank} appeared within the bound")
+        return None
+
+    return poll_until(found, left(deadline), 0.1, f"rank {rank}'s process to appear")
 
 
 def stop_inside_a_save(worker, folder, proc, log, deadline):
@@ -183,16 +193,25 @@ def stop_inside_a_save(worker, folder, proc, log, deadline):
     from rank 0) rank 1 must receive. Rank 0 then can only wait for rank 1 on the save's group. Returns the
     time of the stop; a stop that came too late (the folder gone or complete) is undone and tried again."""
     tmp = folder.with_name(folder.name + ".tmp")
-    while time.monotonic() < deadline and proc.poll() is None:
-        if tmp.is_dir() and not (tmp / ".metadata").exists():
-            worker.suspend()
-            while worker.status() != psutil.STATUS_STOPPED:
-                time.sleep(0.001)
-            if tmp.is_dir() and not (tmp / ".metadata").exists():
-                return time.monotonic()
-            worker.resume()
-        time.sleep(0.001)
-    pytest.fail(f"rank 1 was never stopped inside a save (exit status {proc.poll()}):\n{log.read_text()}")
+
+    def inside_a_save():
+        return tmp.is_dir() and not (tmp / ".metadata").exists()
+
+    def stopped_inside_a_save():
+        if proc.poll() is not None:
+            pytest.fail(f"rank 1 was never stopped inside a save (exit status {proc.poll()}):\n{log.read_text()}")
+        if not inside_a_save():
+            return None
+        worker.suspend()
+        poll_until(lambda: worker.status() == psutil.STATUS_STOPPED, left(deadline), 0.001, "rank 1 to stop")
+        if inside_a_save():
+            return time.monotonic()
+        worker.resume()
+        return None
+
+    return poll_until(
+        stopped_inside_a_save, left(deadline), 0.001, lambda: f"rank 1 to be stopped inside a save:\n{log.read_text()}"
+    )
 
 
 def test_a_save_may_outlast_timeout_but_not_save_timeout(tmp_path):
@@ -215,12 +234,19 @@ def test_a_save_may_outlast_timeout_but_not_save_timeout(tmp_path):
             epochs = len(EPOCH_LINE.findall(log.read_text()))  # the line comes before the epoch's save
             time.sleep(stall - (time.monotonic() - stopped))
             worker.resume()  # rank 0 waited `stall` s on the save's group, longer than --timeout
-            while len(EPOCH_LINE.findall(log.read_text())) == epochs and proc.poll() is None:
-                time.sleep(0.01)  # that save is done when the next epoch's line comes
-                assert time.monotonic() < deadline, f"no epoch after the first stall:\n{log.read_text()}"
+            poll_until(  # that save is done when the next epoch's line comes
+                lambda: len(EPOCH_LINE.findall(log.read_text())) != epochs or proc.poll() is not None,
+                left(deadline),
+                0.01,
+                lambda: f"an epoch after the first stall:\n{log.read_text()}",
+            )
             stopped = stop_inside_a_save(worker, folder, proc, log, deadline)  # now for good
-            while not SLOW_SAVE.search(log.read_text()) and time.monotonic() < stopped + save_timeout + 30:
-                time.sleep(0.05)
+            poll_until(
+                lambda: SLOW_SAVE.search(log.read_text()),
+                left(stopped + save_timeout + 30),
+                0.05,
+                lambda: f"rank 0's line about the slow save:\n{log.read_text()}",
+            )
             took = time.monotonic() - stopped
             worker.resume()  # its own save then fails too, on rank 0's closed connection
             proc.wait(timeout=60)

@@ -31,6 +31,7 @@ import pytest
 
 import lessonlib
 from lessonlib import ROOT, run_bounded
+from lessonlib.processes.bounded import poll_until
 
 LAUNCH_JSON = ROOT / ".vscode" / "launch.json"
 LESSON = ROOT / "lessons" / "12_debug_one_rank.py"
@@ -102,14 +103,18 @@ class Dap:
 
     def __init__(self, port, deadline):
         self.deadline, self.seq, self.buf = deadline, 0, b""
-        while True:  # the debugger may not listen yet
+        refused = []
+
+        def connected():  # the debugger may not listen yet
             try:
-                self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+                return socket.create_connection(("127.0.0.1", port), timeout=5)
+            except OSError as e:
+                refused[:] = [e]
+                return None
+
+        self.sock = poll_until(
+            connected, max(0.0, deadline - time.monotonic()), 0.2, lambda: f"a debugger on port {port} ({refused})"
+        )
         self.sock.settimeout(max(0.1, deadline - time.monotonic()))
 
     def request(self, command, **arguments):

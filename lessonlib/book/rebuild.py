@@ -37,6 +37,7 @@ With `execute_notebooks: force` or `off` only the first step runs.
 Enabled in _config.yml (`sphinx: config: extensions`).
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -53,7 +54,7 @@ from pathlib import Path
 import psutil
 
 from ..paths import ROOT, find_script
-from ..processes.bounded import kill_session, marked_environment, sigterm_cleans_up
+from ..processes.bounded import kill_session, marked_environment, poll_until, sigterm_cleans_up
 from ..processes.marks import marked_processes, marks_of
 from . import launchrecord
 
@@ -190,10 +191,9 @@ def stop_executors(executors):
     for executor in executors:
         if executor.proc.poll() is None:
             executor.proc.terminate()
-    deadline = time.monotonic() + STOP_GRACE
     try:  # a second SIGTERM during the grace ends the wait, not the kill
-        while time.monotonic() < deadline and any(marked_processes(e.mark) for e in executors):
-            time.sleep(0.2)
+        with contextlib.suppress(TimeoutError):  # then the kill below
+            poll_until(lambda: not any(marked_processes(e.mark) for e in executors), STOP_GRACE, 0.2)
     finally:
         for executor in executors:
             kill_session(executor.proc, executor.mark)

@@ -33,6 +33,7 @@ Needs what Hosts needs (Linux, iproute2, root) and Slurm (Debian: apt install sl
 `unavailable()` says which is missing, or None.
 """
 
+import contextlib
 import os
 import re
 import shutil
@@ -43,6 +44,7 @@ import time
 from pathlib import Path
 
 from ..paths import ROOT
+from ..processes.bounded import poll_until
 from .hosts import Hosts, HostsUnavailable
 from .hosts import unavailable as hosts_unavailable
 
@@ -206,14 +208,15 @@ class Slurm:
         self._poll(idle, IDLE_BOUND, "every node to be idle")
 
     def _poll(self, check, bound, what):
-        deadline = time.monotonic() + bound
-        while not check():
+        def done():
+            if check():
+                return True
             for name, proc in self._daemons.items():
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited ({proc.returncode}) while waiting for {what}:\n{self.logs()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"waited {bound:.0f} s for {what}, in vain:\n{self.logs()}")
-            time.sleep(0.2)
+            return False
+
+        poll_until(done, bound, 0.2, lambda: f"{what}; the daemons' logs:\n{self.logs()}")
 
     def logs(self, lines=15):
         """The last `lines` lines of each daemon's log, for an error message."""
@@ -246,9 +249,8 @@ class Slurm:
         if not jobs:
             return
         self.run(["scancel", *jobs], timeout=10)
-        deadline = time.monotonic() + STOP_BOUND
-        while time.monotonic() < deadline and self.run(["squeue", "-h", "-o", "%i"], timeout=10).stdout.split():
-            time.sleep(0.2)
+        with contextlib.suppress(TimeoutError):  # close() then shuts the daemons down all the same
+            poll_until(lambda: not self.run(["squeue", "-h", "-o", "%i"], timeout=10).stdout.split(), STOP_BOUND, 0.2)
 
     # --- using it -------------------------------------------------------------------------------------
 
@@ -312,14 +314,16 @@ class Slurm:
     def wait(self, job, timeout=120, *, states=ENDED):
         """Wait until the job's state is one of `states` (by default: it has ended); return its fields.
         TimeoutError after `timeout` seconds (the job is left running: close() cancels it)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            fields = self.job(job)
-            if fields.get("JobState") in states:
-                return fields
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job} still {fields.get('JobState')} after {timeout} s")
-            time.sleep(0.2)
+        last = {}
+
+        def ended():
+            last.clear()
+            last.update(self.job(job))
+            return dict(last) if last.get("JobState") in states else None
+
+        return poll_until(
+            ended, timeout, 0.2, lambda: f"job {job} to be {' or '.join(states)} (it is {last.get('JobState')})"
+        )
 
     def output(self, job):
         """What the job has written to jobs/slurm-JOBID.out so far ('' before it starts)."""

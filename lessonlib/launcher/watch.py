@@ -5,12 +5,14 @@ The run's id is its mark (lessonlib.processes.marks): every process of the run c
 the ranks and whatever they started in sessions of their own.
 """
 
+import contextlib
 import os
 import signal
 import time
 
 import psutil
 
+from ..processes.bounded import poll_until
 from ..processes.marks import kill_all, marked_processes
 from . import runfolder
 
@@ -81,12 +83,13 @@ def dump_stacks_then_kill(run_id, watch):
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     # faulthandler writes from its signal handler at once; wait until the stderr files stop growing.
-    end = time.monotonic() + STACK_DUMP_GRACE
-    sizes = None
-    while signalled and time.monotonic() < end:
-        time.sleep(0.1)
-        now = [os.path.getsize(p) if os.path.exists(p) else 0 for p in signalled]
-        if now == sizes:
-            break
-        sizes = now
+    sizes = []  # at each look, 0.1 s apart; the first, at the signal itself, says nothing yet
+
+    def stopped_growing():
+        sizes.append([os.path.getsize(p) if os.path.exists(p) else 0 for p in signalled])
+        return len(sizes) > 2 and sizes[-1] == sizes[-2]
+
+    if signalled:
+        with contextlib.suppress(TimeoutError):  # then they are killed as they are
+            poll_until(stopped_growing, STACK_DUMP_GRACE, 0.1)
     kill_all(run_processes(run_id))

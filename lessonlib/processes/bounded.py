@@ -4,10 +4,13 @@
 session of its own with a mark (lessonlib.processes.marks), for at most `timeout` seconds, and whatever way
 it ends, every process carrying the mark is killed. `started` does the same for a command that runs in
 the background while a cell inspects it. `sigterm_cleans_up` makes a SIGTERM to this process run that
-cleanup first.
+cleanup first. `poll_until` is the one bounded wait for something to become true: lessonlib and the
+tests wait with it, not with deadline loops of their own.
 """
 
 import contextlib
+import math
+import numbers
 import os
 import signal
 import subprocess
@@ -17,6 +20,36 @@ import time
 from dataclasses import dataclass
 
 from .marks import add_mark, kill_marked, new_mark
+
+
+def poll_until(check, timeout, interval=0.1, what=None):
+    """Call `check()` every `interval` seconds until it returns something true, and return that value.
+
+    TimeoutError naming `what` and `timeout` if `timeout` seconds pass first. `what` says what was awaited
+    ("rank 1 to be ready"): a string, or a callable that returns one, called then (so it can say what
+    it saw last); by default the check's name. `check` runs at once, then every `interval` seconds, and
+    once more at the end of the time (a sleep never runs past it). An exception from `check` ends the
+    wait: a check raises to say that waiting longer is in vain (the process it waits on has exited).
+    """
+    if not _seconds(timeout) or timeout < 0:
+        raise ValueError(f"poll_until: timeout must be a finite number of seconds >= 0, not {timeout!r}")
+    if not _seconds(interval) or interval <= 0:
+        raise ValueError(f"poll_until: interval must be a finite number of seconds > 0, not {interval!r}")
+    deadline = time.monotonic() + timeout
+    while True:
+        found = check()
+        if found:
+            return found
+        left = deadline - time.monotonic()
+        if left <= 0:
+            said = what() if callable(what) else what
+            said = said or f"{getattr(check, '__qualname__', check)}() to return something true"
+            raise TimeoutError(f"waited {timeout:g} s in vain for {said}")
+        time.sleep(min(interval, left))
+
+
+def _seconds(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,15 +194,17 @@ class Started:
     def poll_until(self, check, timeout=60):
         """Call `check()` every 0.1 s until it returns something true, and return that; TimeoutError (with
         the output so far) if `timeout` seconds pass or the command ends first."""
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def found_or_ended():
             found = check()
-            if found:
-                return found
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                why = f"it exited {self.proc.returncode}" if self.proc.poll() is not None else f"{timeout:g} s passed"
-                raise TimeoutError(f"{check} was never true: {why}; its output so far:\n{self.output()[-3000:]}")
-            time.sleep(0.1)
+            if not found and self.proc.poll() is not None:
+                raise TimeoutError(f"{check} was never true: it exited {self.proc.returncode}; {self._so_far()}")
+            return found
+
+        return poll_until(found_or_ended, timeout, 0.1, lambda: f"{check} to be true; {self._so_far()}")
+
+    def _so_far(self):
+        return f"its output so far:\n{self.output()[-3000:]}"
 
 
 @contextlib.contextmanager

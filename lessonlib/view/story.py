@@ -60,15 +60,44 @@ def rank_line(result, r):
     elif r.status == RunStatus.INTERRUPTED:
         what = "interrupted: still running when the run was stopped, then killed"
     elif r.status == RunStatus.TERMINATED and r.error == "killed by SIGTERM":
-        what = "stopped by torchrun (SIGTERM) after another rank failed"
+        what = "stopped by torchrun (SIGTERM)" + (" after another rank failed" if cause is not None else "")
+    elif r.status == RunStatus.TERMINATED and r.error:
+        what = f"stopped ({r.error})"
+    elif r.status == RunStatus.TERMINATED and r.exitcode is not None:
+        what = f"stopped, exit code {r.exitcode}"
     elif r.status == RunStatus.TERMINATED:
-        what = "stopped" + (f" ({r.error})" if r.error else f", exit code {r.exitcode}")
-    elif r.error.startswith("killed by "):
-        what = f"{r.error} (exit {r.exitcode})"
+        what = "stopped before it recorded an exit (no exit code known)"
     else:
-        what = short_error(r.error) or f"exit code {r.exitcode}"
+        what = how_it_failed(r)
     stack = r.traceback or stack_dump(r.stderr)
     return RankLine(r.rank, what, tag, innermost_frame(stack) if stack else None)
+
+
+LAUNCHER_WORDS = ("killed by ", "exit code ")  # how how_it_failed starts when the rank recorded no error
+
+
+def how_it_failed(r):
+    """A failed rank's end in a few words: its error, or the signal that killed it, or its exit code."""
+    if r.error.startswith("killed by "):
+        return f"{r.error} (exit {r.exitcode})"
+    if r.error and r.error != f"exit code {r.exitcode}":
+        return short_error(r.error)
+    return f"exit code {r.exitcode}"
+
+
+def agents_failed(result):
+    """What torchrun's agents said when every rank exited 0 but an agent did not: 'torchrun exited 1'."""
+    bad = [(node, rc) for node, rc in enumerate(result.returncodes) if rc != 0]
+    if len(result.returncodes) == 1:
+        return f"torchrun exited {bad[0][1]}"
+    return ", ".join(f"torchrun of node {node} exited {rc}" for node, rc in bad)
+
+
+def failed_ranks_text(result):
+    """'failed on rank(s) 1 of 2', or, when every rank exited 0 and torchrun did not, that (never an empty list)."""
+    if result.failed_ranks:
+        return f"failed on rank(s) {joined(result.failed_ranks)} of {result.world_size}"
+    return f"failed: every rank exited 0, but {agents_failed(result)}"
 
 
 def rank_lines(result):
@@ -85,8 +114,10 @@ def status_line(result):
         what = f"timed out after {result.timeout:g} s"
     elif result.interrupted:
         what = "interrupted"
-    else:
+    elif result.failed_ranks:
         what = f"failed on rank(s) {joined(result.failed_ranks)}"
+    else:
+        what = f"failed (every rank exited 0, but {agents_failed(result)})"
     cause = result.root_cause
     error = short_error(cause.error) if cause else ""
     why = f"; first failure: rank {cause.rank}" + (f" ({error})" if error else "") if cause else ""
@@ -99,9 +130,8 @@ def failure_line(result):
     cause = result.root_cause
     first = ""
     if cause is not None:
-        first = f"rank {cause.rank} failed first" + (
-            f" with {short_error(cause.error)}" if cause.error else f", exit code {cause.exitcode}"
-        )
+        how = how_it_failed(cause)
+        first = f"rank {cause.rank} failed first" + (f", {how}" if how.startswith(LAUNCHER_WORDS) else f" with {how}")
     if result.timed_out:
         stuck = [r.rank for r in result.ranks if r.status == RunStatus.HUNG]
         line = f"{result.script} timed out after {result.timeout:g} s (--timeout)"
@@ -110,8 +140,7 @@ def failure_line(result):
         return line + (f"; before that, {first}" if first else "")
     if result.interrupted:
         return f"{result.script} was interrupted" + (f"; before that, {first}" if first else "")
-    line = f"{result.script} failed on rank(s) {joined(result.failed_ranks)} of {result.world_size}"
-    return line + (f": {first}" if first else "")
+    return f"{result.script} {failed_ranks_text(result)}" + (f": {first}" if first else "")
 
 
 def describe_failure(result, details=True):
@@ -119,7 +148,9 @@ def describe_failure(result, details=True):
     cause's traceback and the stacks of the ranks that were stopped. RunResult.describe_failure and
     LaunchError's message."""
     if result.ok:
-        return f"{result.script}: all {result.world_size} ranks exited 0"
+        return f"{result.script}: " + (
+            "its one rank exited 0" if result.world_size == 1 else f"all {result.world_size} ranks exited 0"
+        )
     stopped = result.timed_out or result.interrupted
     what = f"timed out after {result.timeout:g} s" if result.timed_out else "was interrupted"
     if stopped and not [r for r in result.ranks if r.status != RunStatus.NOT_STARTED]:
@@ -133,7 +164,7 @@ def describe_failure(result, details=True):
             f"; rank(s) {joined(r.rank for r in stuck)} were still running and were killed:" if stuck else ":"
         )
     else:
-        head = f"{result.script} failed on rank(s) {joined(result.failed_ranks)} of {result.world_size}:"
+        head = f"{result.script} {failed_ranks_text(result)}:"
     lines = [head, *(f"  {line}" for line in rank_lines(result))]
     early = result.left_early
     if early:
@@ -154,14 +185,18 @@ def describe_failure(result, details=True):
             lines += [f"Before that, rank {cause.rank} failed:", cause.traceback or cause.error]
         return short_paths("\n".join(lines))
     if cause is None:
-        lines += ["No rank recorded an error; torchrun said:", tail(result.launcher_output, 30)]
+        lines += ["No rank recorded an error; torchrun said:", tail(result.launcher_output, 30) or "(nothing)"]
         return short_paths("\n".join(lines))
     start = result.ranks_start
     when = f" at +{cause.end - start:.2f} s" if cause.end and start else ""
-    lines.append(
-        f"First failure (root cause): rank {cause.rank} exited {cause.exitcode}{when}"
-        + (f" with {cause.error}" if cause.error else "")
-    )
+    if cause.error.startswith("killed by "):
+        lines.append(f"First failure (root cause): rank {cause.rank} was {cause.error} (exit {cause.exitcode}){when}")
+    else:
+        with_error = cause.error and cause.error != f"exit code {cause.exitcode}"
+        lines.append(
+            f"First failure (root cause): rank {cause.rank} exited {cause.exitcode}{when}"
+            + (f" with {cause.error}" if with_error else "")
+        )
     lines += [
         f"--- rank {cause.rank} traceback ---",
         cause.traceback or tail(cause.stderr, 30) or "(no traceback: see its stderr)",

@@ -13,10 +13,10 @@ elif rank == 1:
     print("rank 1: waiting", flush=True)
     time.sleep(120)  # STOPPED-HERE
 else:
-    deadline = time.monotonic() + 60
-    while not all(os.path.exists(os.path.join(ready, f"rank{r}.done")) for r in (2, 3)):
-        assert time.monotonic() < deadline, "ranks 2 and 3 never finished"
-        time.sleep(0.05)
+    from lessonlib.processes.bounded import poll_until
+
+    done = [os.path.join(ready, f"rank{r}.done") for r in (2, 3)]
+    poll_until(lambda: all(map(os.path.exists, done)), 60, interval=0.05, what="ranks 2 and 3 to finish")
     time.sleep(1)  # their exit records too
     import torch
 

@@ -8,6 +8,7 @@ import sys
 import time
 
 import lessonlib
+from lessonlib.processes.bounded import poll_until
 
 
 def ready(name, text=""):
@@ -20,10 +21,7 @@ def ready(name, text=""):
 
 def wait_for(name, timeout=60):
     path = os.path.join(os.environ["TEST_READY_DIR"], name)
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"{name} never appeared"
-        time.sleep(0.05)
+    poll_until(lambda: os.path.exists(path), timeout, interval=0.05, what=f"{name} to appear")
 
 
 def peer_fails(rank, how):

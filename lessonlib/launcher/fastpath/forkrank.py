@@ -47,13 +47,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import traceback
 import warnings
 import weakref
 
 from lessonlib.launcher import torchpatches
 from lessonlib.machine import nvidia_devices
+from lessonlib.processes.bounded import poll_until
 
 FRESH_VAR = "LESSONLIB_FRESH_RANKS"  # "1": every rank a fresh `python`, as torchrun alone starts them
 RANK_MODULE = "lessonlib.launcher._rank_main"
@@ -146,11 +146,10 @@ class ForkedRank:
                     status = 0
                 self.returncode = os.waitstatus_to_exitcode(status)
             return self.returncode
-        deadline = time.monotonic() + timeout
-        while self.poll() is None:
-            if time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+        try:
+            poll_until(lambda: self.poll() is not None, max(0, timeout), 0.01)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(self.args, timeout) from None
         return self.returncode
 
 
