@@ -6,8 +6,9 @@ into the folder; the launcher reads it back into a RunResult, then removes it:
 
     rank{r}.stdout, rank{r}.stderr  rank r's file descriptors 1 and 2 (lessonlib.launcher._rank_main)
     rank{r}.start.json              {"rank", "pid", "time"}: written as the rank starts its script
-    rank{r}.exit.json               {"rank", "pid", "start", "end", "exitcode"}, with "exc_type",
+    rank{r}.exit.json               {"rank", "pid", "start", "end", "exitcode", "nofile"}, with "exc_type",
                                     "message" and "traceback" when the script failed: written as it ends
+                                    ("nofile": its RLIMIT_NOFILE then, [soft, hard])
     rank{r}.reports.jsonl           one {"tag", "value"} line per lessonlib.report(tag, value)
     agent{n}.log                    torchrun agent n's own output (its banner, its failure summary)
     torchrun{n}/                    torchrun's log folder (without one it leaves a folder in /tmp per run)
