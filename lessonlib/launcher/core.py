@@ -28,6 +28,11 @@ What it guarantees, and how:
   shown as it goes by a view (lessonlib.view.live). What the launcher saw includes the machine: the
   lowest free space on the run folder's disk and the OOM kills counted, from which a failed run's
   `fault` is named (lessonlib.launcher.faults).
+- A SIGTERM to the launching process, while a launch runs in its main thread, ends the run as an
+  interrupt does before the process ends (lessonlib.processes.bounded.sigterm_cleans_up): every process
+  killed, the run folder removed. A launcher killed together with its agents (SIGKILL to them all)
+  leaves its run folder; its name carries the launcher's pid and start time, and the next launch
+  removes it (lessonlib.processes.owners).
 """
 
 import codecs
@@ -41,10 +46,12 @@ import psutil
 
 from ..machine import loopback_interface
 from ..paths import ROOT
+from ..processes import owners
+from ..processes.bounded import Terminated, sigterm_cleans_up
 from ..processes.marks import add_mark, kill_all, new_mark
 from . import runfolder
 from .agents import READ_AFTER_IMPORT, start_agent
-from .faults import EnvironmentWatch, make_run_folder
+from .faults import EnvironmentWatch, make_run_folder, temporary_folder
 from .ports import reserve_port
 from .request import check_launch
 from .result import Ending, read_result
@@ -118,22 +125,30 @@ def launch(
 
     from ..view.live import make_view
 
-    # The machine, checked before anything shows or starts: the run folder made, or an EnvironmentFault.
+    # The machine, checked before anything shows or starts: the run folder made, or an EnvironmentFault. First
+    # what launchers that died together with their agents left.
+    owners.sweep(temporary_folder(), runfolder.FOLDER_PREFIX)
     run_id = new_mark()  # the run's id is its mark: every process of it carries it
-    run_dir = make_run_folder(f"lessonlib-{run_id[:8]}-")
+    run_dir = make_run_folder(f"{owners.owned_prefix(runfolder.FOLDER_PREFIX)}{run_id[:8]}-")
     try:
         view = make_view(show, spec.shown, list(spec.args), spec.nproc, spec.nnodes) if isinstance(show, str) else show
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
     # Several agents must be told one rendezvous port in advance; a single --standalone agent picks its own.
-    with reserve_port() if spec.nnodes > 1 and not spec.hosts else contextlib.nullcontext() as port:
+    with (
+        sigterm_cleans_up(),  # in the main thread: a SIGTERM ends the run (finally, below) before the process
+        reserve_port() if spec.nnodes > 1 and not spec.hosts else contextlib.nullcontext() as port,
+    ):
         run = _Run(spec, view, run_id, run_dir)
         try:
             run.start(port)
             run.wait(stop)
         except KeyboardInterrupt:
             run.stop(interrupted=True)
+            raise
+        except Terminated:
+            run.interrupted = True  # no stacks asked for: whoever sent SIGTERM wants this process gone soon
             raise
         finally:
             result = _despite_interrupts(run.finish)
@@ -300,11 +315,11 @@ def _agent_command(spec, node, run_id, run_dir, port):
 
 
 def _despite_interrupts(step, tries=10):
-    """Run an idempotent cleanup `step` to the end even if Ctrl-C arrives again meanwhile."""
+    """Run an idempotent cleanup `step` to the end even if Ctrl-C (or SIGTERM) arrives again meanwhile."""
     for _ in range(tries - 1):
         try:
             return step()
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Terminated):
             continue
     return step()
 
