@@ -28,7 +28,9 @@ import lessonlib
 from conftest import HELPERS
 from lessonlib import ROOT
 from lessonlib.launcher.faults import FULL_BELOW, MIN_FREE, EnvironmentFault, TmpdirMissing
-from lessonlib.launcher.result import LaunchError
+from lessonlib.launcher.result import LaunchError, RankOutput, RunResult
+from lessonlib.view.html import render_html
+from lessonlib.view.story import describe_failure
 
 
 @contextlib.contextmanager
@@ -281,3 +283,25 @@ def test_the_terminal_runner_says_an_environment_fault_in_one_line(tmp_path):
     assert killed.returncode == 1, killed
     assert "Cause: rank 1 was killed by SIGKILL, which the launcher did not send" in killed.stderr, killed.stderr
     assert list(scratch.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- how it is told
+
+
+@pytest.mark.unit
+def test_every_view_of_a_failed_run_opens_with_its_cause():
+    """A RunResult with a fault: the failure story (also without details, as the terminal runner prints it),
+    str(run) and the HTML view's summary each say `Cause: ...` before anything about the ranks; a run
+    without one reads as before."""
+    ranks = [
+        RankOutput(0, exitcode=0, status="ok"),
+        RankOutput(1, exitcode=-9, status="failed", error="killed by SIGKILL"),
+    ]
+    common = dict(script="x.py", args=[], nproc=2, nnodes=1, launcher_output="", returncodes=[1], timeout=60)
+    run = RunResult(ranks=ranks, wall_time=1.0, fault="rank 1 was killed by SIGKILL, ...", **common)
+    for text in (run.describe_failure(), describe_failure(run, details=False), str(run)):
+        assert text.startswith("Cause: rank 1 was killed by SIGKILL, ...\n"), text
+    page = render_html(run)
+    assert page.index("Cause: rank 1 was killed by SIGKILL") < page.index("<b>rank 0</b>"), page
+    plain = RunResult(ranks=ranks, wall_time=1.0, **common)
+    assert "Cause:" not in plain.describe_failure() + str(plain) + render_html(plain)

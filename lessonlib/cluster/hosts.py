@@ -264,7 +264,8 @@ class Hosts:
 
     def start(self):
         """Make the hosts (what entering the `with` block does), for a notebook whose cells cannot share a
-        `with` block; then call close(). If this process dies first, the keeper removes them."""
+        `with` block; then call close(). If this process dies first, the keeper removes them (if the keeper
+        is killed with it, the next Hosts to start does)."""
         if self._keeper is not None:
             raise RuntimeError("these hosts are started already")
         if reason := unavailable():
