@@ -54,6 +54,7 @@ from pathlib import Path
 import psutil
 
 from ..paths import ROOT, find_script
+from ..processes import owners
 from ..processes.bounded import kill_session, marked_environment, poll_until, sigterm_cleans_up
 from ..processes.marks import marked_processes, marks_of
 from . import launchrecord
@@ -61,6 +62,7 @@ from . import launchrecord
 LESSON_PATH = re.compile(r"""["']((?:\.\./)?lessons/[\w./-]+\.py)["']""")
 KEY = "lessonlib_dependencies"  # the field of a cache record's data that holds the dependency key
 REPORT = "lessonlib-execution.json"  # written next to the HTML folder, in _build/
+SCRATCH_PREFIX = "lessonlib-book-"  # the executed copies, in the temporary folder: then the build's pid and start
 DEFAULT_CHAPTER_TIMEOUT = 2400  # seconds for one chapter, all its cells: a bound against a hang
 COSTS = Path(__file__).with_name("costs.json")  # each chapter's seconds and CPU seconds, for a cold build
 MIN_SHARE = 0.25  # the least part of an execution slot a chapter takes, however little CPU it used
@@ -164,7 +166,10 @@ def execute_notebooks(paths, cell_timeout, jobs, timeout, log=print, shares=None
     every executor still running is stopped (stop_executors: SIGTERM, then after STOP_GRACE killed)
     with everything it started (its kernel, the kernel's launches), and the scratch folder is removed
     here."""
-    done = Execution(scratch=Path(tempfile.mkdtemp(prefix="lessonlib-book-")))
+    # A build killed outright (SIGKILL) leaves its scratch folder: its name carries the build's pid and start
+    # time, and the next build removes it once that process is gone.
+    owners.sweep(tempfile.gettempdir(), SCRATCH_PREFIX)
+    done = Execution(scratch=Path(tempfile.mkdtemp(prefix=owners.owned_prefix(SCRATCH_PREFIX))))
     running = {}  # {path: _Executor}
     with sigterm_cleans_up():  # SIGTERM unwinds to the `except` below before the build ends
         try:

@@ -8,8 +8,11 @@
 `[rank N]` prefix, the run is bounded by --timeout, and no process of it outlives it. Afterwards
 --columns shows the ranks side by side, as wide as the terminal. Options for the lesson itself go
 after `--`. Exit status: 0 when every rank exited 0; 1 when a rank failed, and the last lines on
-stderr say how each rank ended and where it was, then name the first rank that failed with its error;
-124 on timeout; 130 on Ctrl-C; 2 for bad input, before anything starts.
+stderr say how each rank ended and where it was, then name the first rank that failed with its error
+(a line `Cause: ...` first when the machine made it fail: a full disk, too many open files, a rank
+likely killed for memory); 1 also when the machine cannot run a launch at all (a missing TMPDIR, a
+read-only or full temporary folder), said in one line before anything starts; 124 on timeout; 130 on
+Ctrl-C; 2 for bad input, before anything starts.
 
 `list` and `--help` read files only (the catalog: docstrings with ast, chapter titles from the notebooks
 with json): they do not import torch, or even the launcher.
@@ -48,7 +51,8 @@ examples:
   python -m lessonlib run lessons/01_launch.py -n 1 -- --help  the lesson's own options
 
 exit status: 0 every rank exited 0; 1 a rank failed (the last lines on stderr name the first rank
-that failed and its error); {EXIT_TIMEOUT} timed out; {EXIT_INTERRUPTED} interrupted (Ctrl-C); 2 bad input (nothing
+that failed and its error), or the machine cannot run it (one line: a missing TMPDIR, a read-only or
+full temporary folder); {EXIT_TIMEOUT} timed out; {EXIT_INTERRUPTED} interrupted (Ctrl-C); 2 bad input (nothing
 started).
 """
 
@@ -143,9 +147,14 @@ def run_lesson(script, nproc=None, timeout=DEFAULT_TIMEOUT, args=(), columns=Fal
     """Launch `script` with every rank's lines shown live; return the exit status (see the docstring)."""
     path, nproc = check_script(script, nproc)
     from ..launcher.core import launch  # psutil and the views, not torch
+    from ..launcher.faults import EnvironmentFault
 
     try:
         result = launch(path, nproc=nproc, args=list(args), timeout=timeout, show="text", cwd=os.getcwd())
+    except EnvironmentFault as e:  # the machine, not the command: one line, no usage
+        sys.stderr.write(f"lessonlib run: {e}\n")
+        sys.stderr.flush()
+        return EXIT_FAILED
     except (ValueError, FileNotFoundError) as e:  # the launcher's own checks, before it starts anything
         raise UsageError(str(e)) from None
     sys.stdout.flush()

@@ -57,7 +57,13 @@ def remove(namespaces, paths):
         if os.path.exists(f"/run/netns/{ns}") and _ip("netns", "delete", ns).returncode != 0:
             left.append(f"netns {ns}")
     for path in reversed(paths):
-        shutil.rmtree(path, ignore_errors=True)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:  # a file or a link (rmtree refuses both)
+            try:
+                os.remove(path)
+            except OSError:
+                pass
         if os.path.lexists(path):
             left.append(path)
     return left

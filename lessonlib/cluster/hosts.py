@@ -20,6 +20,12 @@ Cleanup. Before it creates a namespace or a file, `Hosts` tells a keeper process
 in a session of its own) its name. On leaving the `with` block, normally, by an exception or by Ctrl-C,
 and also when this process dies without running any code (a notebook kernel killed), the keeper's input
 closes, and it kills every process inside the namespaces, deletes them and removes the files.
+When the owner and its keeper are both killed (SIGKILL to both, the out-of-memory killer), nothing runs
+to remove them: so every name the keeper is told is also written, after a line naming the owner and the
+keeper (pid and start time, lessonlib.processes.owners), to a registry file of the network,
+REGISTRY/TOKEN.jsonl, and the next `Hosts` to start removes, as the keeper would have, every network
+whose owner and keeper are both gone. (The names stay as they were: a namespace's is free, but a
+link's is at most 15 characters, too short for a pid and a start time.)
 
 Needs Linux, iproute2 (`ip`, `tc`), util-linux (`unshare`) and root (CAP_NET_ADMIN and CAP_SYS_ADMIN).
 `unavailable()` says which is missing, or None; `Hosts(...)` raises HostsUnavailable with that reason.
@@ -37,6 +43,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..processes import owners
+from . import _netkeeper
+
 MIN_HOSTS, MAX_HOSTS = 2, 4
 INTERFACE = "eth0"  # each host's one interface, as on a typical Linux server
 RENDEZVOUS_PORT = 29400  # torchrun's c10d default; free in a fresh namespace, which nothing else shares
@@ -49,6 +58,7 @@ MIN_RATE, MAX_RATE = 1, 10_000  # Mbit/s
 NAME = re.compile(r"[a-z][a-z0-9-]{0,14}$")
 KEEPER = Path(__file__).with_name("_netkeeper.py")
 NETNS_ETC = Path("/etc/netns")
+REGISTRY = Path("/run/lessonlib/hosts")  # TOKEN.jsonl per network: its owner, its keeper, what they made
 CLOSE_BOUND = 30.0  # seconds for the keeper to remove everything
 COMMAND_BOUND = 20.0  # seconds for one `ip` or `tc` command
 
@@ -140,6 +150,40 @@ def _why_not():
         subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=COMMAND_BOUND)
 
 
+def sweep_dead_networks(registry=REGISTRY):
+    """Remove every network whose owner and keeper are both gone, as its keeper would have (processes inside
+    killed, namespaces deleted, files and folders removed), by its registry file; return the tokens removed.
+    A network whose owner or keeper still runs is left to them."""
+    swept = []
+    for path in sorted(registry.glob("*.jsonl")) if registry.is_dir() else []:
+        try:
+            lines = path.read_text().splitlines()
+            head = json.loads(lines[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        if any(_runs(head.get(who)) for who in ("owner", "keeper")):
+            continue
+        namespaces, paths = [], []
+        for line in lines[1:]:
+            try:
+                item = json.loads(line)
+            except ValueError:  # a line cut short by the owner's death: nothing was made after it
+                continue
+            (namespaces if "netns" in item else paths).append(item.get("netns") or item.get("path"))
+        if not _netkeeper.remove([n for n in namespaces if n], [p for p in paths if p and p != str(path)]):
+            owners.remove_path(str(path))
+            swept.append(path.stem)
+    return swept
+
+
+def _runs(owner_tag):
+    """True while the process a tag ('PID-START') names runs; a missing tag counts as running (left alone)."""
+    if not owner_tag:
+        return True
+    pid, start = owner_tag.split("-")
+    return owners.alive(pid, start)
+
+
 def _rate_problem(rate):
     if rate is None:
         return None
@@ -208,6 +252,7 @@ class Hosts:
             Host(name, address, f"lh{self.token}-{name}") for name, address in zip(self._names, self._addresses)
         ]
         self._keeper = None
+        self.registry = None  # REGISTRY/TOKEN.jsonl once started
         self._procs = []
         self._lock = threading.Lock()
         self.closed = False
@@ -219,11 +264,13 @@ class Hosts:
 
     def start(self):
         """Make the hosts (what entering the `with` block does), for a notebook whose cells cannot share a
-        `with` block; then call close(). If this process dies first, the keeper removes them."""
+        `with` block; then call close(). If this process dies first, the keeper removes them (if the keeper
+        is killed with it, the next Hosts to start does)."""
         if self._keeper is not None:
             raise RuntimeError("these hosts are started already")
         if reason := unavailable():
             raise HostsUnavailable(reason)
+        sweep_dead_networks()
         self._keeper = subprocess.Popen(
             [sys.executable, "-S", str(KEEPER)],
             stdin=subprocess.PIPE,
@@ -233,6 +280,7 @@ class Hosts:
             start_new_session=True,
         )
         try:
+            self._register()
             self._build()
         except BaseException:
             self.close()
@@ -249,8 +297,23 @@ class Hosts:
         self._tell_keeper(path=str(path))
 
     def _tell_keeper(self, **item):
-        self._keeper.stdin.write(json.dumps(item) + "\n")
+        """Tell the keeper (and the registry) of a namespace or a path, before it is made."""
+        line = json.dumps(item) + "\n"
+        with open(self.registry, "a") as f:
+            f.write(line)
+        self._keeper.stdin.write(line)
         self._keeper.stdin.flush()
+
+    def _register(self):
+        """The network's registry file, whole or not at all: a first line naming the owner (this process) and
+        the keeper; the keeper is told of the file first, so it removes it last."""
+        self.registry = REGISTRY / f"{self.token}.jsonl"
+        REGISTRY.mkdir(parents=True, exist_ok=True)
+        head = {"owner": owners.tag(), "keeper": owners.tag(self._keeper.pid)}
+        tmp = self.registry.with_suffix(".tmp")
+        tmp.write_text(json.dumps(head) + "\n")
+        os.replace(tmp, self.registry)
+        self._tell_keeper(path=str(self.registry))
 
     def _build(self):
         self._tell_keeper(netns=self.switch)

@@ -5,6 +5,8 @@
 - `result`: `RunResult`, `RankOutput` and `LaunchError`, the data and verdicts of a finished run;
   `status`: `RunStatus`, how each rank ended.
 - `runfolder`: the run folder's protocol (variables and file names) between the launcher and its ranks.
+- `faults`: the machine's faults in one line: a TMPDIR missing, a temporary folder read-only or full
+  (before anything starts), a disk that filled, too many open files, a rank likely OOM-killed (after).
 - `agents`: `start_agent`, the one way a launch starts its torchrun agent: a fresh process, or the same
   agent forked from a server that imported torch once (`fastpath`: the agent server, forked ranks).
 - `torchpatches`: every change made inside torch, each guarded against a torch that changed.

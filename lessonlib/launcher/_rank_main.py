@@ -8,8 +8,10 @@ worker starts here and then runs SCRIPT exactly as `python SCRIPT ARGS...` would
 - makes SIGUSR1 print every thread's Python stack (faulthandler), so a hung rank can say where it
   hangs before the launcher kills it; SIGTERM (torchrun stopping the other ranks after one failed)
   prints the stack too and then terminates as usual; a hard crash (segfault) prints its stack as well;
-- records how the rank ended (exit code, exception, traceback, time) in a small JSON file, which is
-  how `LaunchError` can name the first rank that failed rather than the last one to notice.
+- records how the rank ended (exit code, exception, traceback, time, its open-file limit) in a small
+  JSON file, which is how `LaunchError` can name the first rank that failed rather than the last one to
+  notice. One file descriptor is held back from the start and given back just before that record is
+  written, so a script that failed with "Too many open files" still leaves it.
 
 The files it writes, and the variables it reads, are the run folder's (lessonlib.launcher.runfolder).
 
@@ -19,6 +21,7 @@ exception leaves out this module's frames: it reads exactly as it would under ba
 
 import faulthandler
 import os
+import resource
 import runpy
 import signal
 import sys
@@ -45,6 +48,13 @@ def _script_traceback(exc, script):
     return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
 
 
+def _write_exit(run_dir, rank, record, spare):
+    """The exit record, with the rank's open-file limit, after giving back the file descriptor held for it."""
+    os.close(spare)
+    record.update(end=time.time(), nofile=list(resource.getrlimit(resource.RLIMIT_NOFILE)))
+    runfolder.write_exit(run_dir, rank, record)
+
+
 def main():
     # If the torchrun agent dies without stopping this rank, the rank must not live on alone.
     die_with_parent(signal.SIGKILL)
@@ -65,6 +75,7 @@ def main():
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` would set it
     started = time.time()
     runfolder.write_start(run_dir, rank, {"rank": rank, "pid": os.getpid(), "time": started})
+    spare = os.open(os.devnull, os.O_RDONLY)  # given back for the exit record (EMFILE)
 
     record = {"rank": rank, "pid": os.getpid(), "start": started}
     try:
@@ -75,17 +86,15 @@ def main():
         record["exitcode"] = 0 if code is None else code if isinstance(code, int) else 1
         if record["exitcode"] != 0:
             record.update(exc_type="SystemExit", message=str(code), traceback="")
-        record["end"] = time.time()
-        runfolder.write_exit(run_dir, rank, record)
+        _write_exit(run_dir, rank, record, spare)
         raise  # Python prints a string code and exits with it, as usual
     except BaseException as e:  # noqa: BLE001 - every way out of the script is recorded
         text = _script_traceback(e, script)
         sys.stderr.write(text)
         record.update(exitcode=1, exc_type=type(e).__name__, message=str(e), traceback=text)
-    record["end"] = time.time()
     sys.stdout.flush()
     sys.stderr.flush()
-    runfolder.write_exit(run_dir, rank, record)
+    _write_exit(run_dir, rank, record, spare)
     sys.exit(record["exitcode"])
 
 

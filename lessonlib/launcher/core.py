@@ -7,7 +7,9 @@
 What it guarantees, and how:
 
 - Input is checked before anything starts; a mistake is a ValueError or FileNotFoundError that says
-  what was wrong and what is allowed (lessonlib.launcher.request).
+  what was wrong and what is allowed (lessonlib.launcher.request). So is the machine: a TMPDIR that is
+  missing, or a temporary folder that cannot be written or is nearly full, is an EnvironmentFault in
+  one line (lessonlib.launcher.faults).
 - torchrun is `python -m torch.distributed.run` with this interpreter, in its own session, with the
   rendezvous on 127.0.0.1 and port 0 (the kernel picks a free one), so launches never collide. It
   starts through `lessonlib.launcher._agent_main`, which only adds that if this process dies, the agent
@@ -23,7 +25,14 @@ What it guarantees, and how:
   their own, so killing torchrun's session alone would not be enough. The same scan runs after every
   launch, so no process of a run outlives it, whatever the outcome.
 - What the ranks recorded, and what the launcher saw, become a RunResult (lessonlib.launcher.result),
-  shown as it goes by a view (lessonlib.view.live).
+  shown as it goes by a view (lessonlib.view.live). What the launcher saw includes the machine: the
+  lowest free space on the run folder's disk and the OOM kills counted, from which a failed run's
+  `fault` is named (lessonlib.launcher.faults).
+- A SIGTERM to the launching process, while a launch runs in its main thread, ends the run as an
+  interrupt does before the process ends (lessonlib.processes.bounded.sigterm_cleans_up): every process
+  killed, the run folder removed. A launcher killed together with its agents (SIGKILL to them all)
+  leaves its run folder; its name carries the launcher's pid and start time, and the next launch
+  removes it (lessonlib.processes.owners).
 - While the book build executes a chapter, each launch adds a line to the build's record of what ran
   (lessonlib.book.launchrecord); anywhere else nothing is written.
 """
@@ -33,7 +42,6 @@ import contextlib
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 import psutil
@@ -41,9 +49,12 @@ import psutil
 from ..book import launchrecord
 from ..machine import loopback_interface
 from ..paths import ROOT
+from ..processes import owners
+from ..processes.bounded import Terminated, sigterm_cleans_up
 from ..processes.marks import add_mark, kill_all, new_mark
 from . import runfolder
 from .agents import READ_AFTER_IMPORT, start_agent
+from .faults import EnvironmentWatch, make_run_folder, temporary_folder
 from .ports import reserve_port
 from .request import check_launch
 from .result import Ending, read_result
@@ -117,15 +128,30 @@ def launch(
 
     from ..view.live import make_view
 
-    view = make_view(show, spec.shown, list(spec.args), spec.nproc, spec.nnodes) if isinstance(show, str) else show
+    # The machine, checked before anything shows or starts: the run folder made, or an EnvironmentFault. First
+    # what launchers that died together with their agents left.
+    owners.sweep(temporary_folder(), runfolder.FOLDER_PREFIX)
+    run_id = new_mark()  # the run's id is its mark: every process of it carries it
+    run_dir = make_run_folder(f"{owners.owned_prefix(runfolder.FOLDER_PREFIX)}{run_id[:8]}-")
+    try:
+        view = make_view(show, spec.shown, list(spec.args), spec.nproc, spec.nnodes) if isinstance(show, str) else show
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     # Several agents must be told one rendezvous port in advance; a single --standalone agent picks its own.
-    with reserve_port() if spec.nnodes > 1 and not spec.hosts else contextlib.nullcontext() as port:
-        run = _Run(spec, view)
+    with (
+        sigterm_cleans_up(),  # in the main thread: a SIGTERM ends the run (finally, below) before the process
+        reserve_port() if spec.nnodes > 1 and not spec.hosts else contextlib.nullcontext() as port,
+    ):
+        run = _Run(spec, view, run_id, run_dir)
         try:
             run.start(port)
             run.wait(stop)
         except KeyboardInterrupt:
             run.stop(interrupted=True)
+            raise
+        except Terminated:
+            run.interrupted = True  # no stacks asked for: whoever sent SIGTERM wants this process gone soon
             raise
         finally:
             result = _despite_interrupts(run.finish)
@@ -137,10 +163,10 @@ def launch(
 class _Run:
     """One launch while it runs: its torchrun agents, its run folder, and how it is going."""
 
-    def __init__(self, spec, view):
+    def __init__(self, spec, view, run_id, run_dir):
         self.spec, self.view = spec, view
-        self.id = new_mark()  # the run's id is its mark: every process of it carries it
-        self.dir = tempfile.mkdtemp(prefix=f"lessonlib-{self.id[:8]}-")
+        self.id, self.dir = run_id, run_dir
+        self.machine = EnvironmentWatch(self.dir)
         self.agents, self.agent_logs = [], []
         self.tails = {
             (rank, stream): _Tail(runfolder.output_file(self.dir, rank, stream))
@@ -170,6 +196,7 @@ class _Run:
                 self._show_new_lines()
             self.view.tick(time.monotonic() - self.t0)
             self.watch.poll()
+            self.machine.sample()
             if all(a.poll() is not None for a in self.agents):
                 return
             if time.monotonic() > deadline:
@@ -211,6 +238,7 @@ class _Run:
             interrupted=self.interrupted,
             gone_at=self.watch.ended,
             leftovers=leftovers,
+            seen=self.machine.seen(),
         )
         result = read_result(self.spec, self.dir, ending)
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -292,11 +320,11 @@ def _agent_command(spec, node, run_id, run_dir, port):
 
 
 def _despite_interrupts(step, tries=10):
-    """Run an idempotent cleanup `step` to the end even if Ctrl-C arrives again meanwhile."""
+    """Run an idempotent cleanup `step` to the end even if Ctrl-C (or SIGTERM) arrives again meanwhile."""
     for _ in range(tries - 1):
         try:
             return step()
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Terminated):
             continue
     return step()
 

@@ -1,7 +1,8 @@
 """What `lessonlib.launch` is asked to run, checked before anything starts (chapter 1).
 
 `check_launch` turns launch's arguments into one frozen LaunchSpec, or raises a ValueError or
-FileNotFoundError that says what was wrong and what is allowed. Only the standard library is needed
+FileNotFoundError that says what was wrong and what is allowed (a TMPDIR that is not a folder too:
+lessonlib.launcher.faults.TmpdirMissing, a FileNotFoundError). Only the standard library is needed
 here (torch only to check 'nccl'), so `python -m lessonlib --help` can read the bounds without
 importing `launch` (lessonlib.launcher.core) or psutil.
 """
@@ -14,6 +15,7 @@ from types import MappingProxyType
 
 from ..machine import nvidia_devices
 from ..paths import ROOT, find_script, script_candidates
+from .faults import check_tmpdir
 from .runfolder import PREFIX
 
 MAX_NPROC = 16  # ranks per node; each is a whole Python process with torch loaded (~0.3 GB each)
@@ -111,6 +113,7 @@ def check_launch(
     cwd = Path(cwd).resolve() if cwd is not None else ROOT
     if not cwd.is_dir():
         raise FileNotFoundError(f"cwd {str(cwd)!r} is not a directory")
+    check_tmpdir(env)  # a TMPDIR (this process's, or env's for the ranks) that is not a folder: a FileNotFoundError
     shown = os.path.relpath(path, cwd) if path.is_relative_to(cwd) else str(path)
     return LaunchSpec(
         script=path,

@@ -10,7 +10,9 @@ lessonlib.view's; the methods here that return text call it. How each rank ended
 (lessonlib.launcher.runfolder) come first: their output, when each started and ended, the exception that
 ended it. A rank that left no exit record (os._exit, a signal, a kill on timeout) is judged from what
 the launcher saw instead (an Ending): when its process disappeared, whether the run timed out or was
-interrupted, and the exit code torchrun reported for it.
+interrupted, and the exit code torchrun reported for it. A run that failed because of the machine (a
+full disk, too many open files, a rank the out-of-memory killer likely killed) has it named in one line
+in `fault` (lessonlib.launcher.faults).
 """
 
 import re
@@ -18,6 +20,7 @@ import signal
 from dataclasses import dataclass, field
 
 from . import runfolder
+from .faults import Seen, name_fault
 from .status import RunStatus
 
 
@@ -44,6 +47,7 @@ class RankOutput:
     error: str = ""  # "ValueError: ..." for an uncaught exception
     traceback: str = ""
     reports: list = field(default_factory=list)  # [(tag, value)] from lessonlib.report
+    nofile_limit: tuple | None = None  # its RLIMIT_NOFILE (soft, hard) as it ended, from its exit record
 
     @property
     def ok(self):
@@ -67,6 +71,9 @@ class RunResult:
     interrupted: bool = False
     leftovers: list = field(default_factory=list)  # processes that outlived the run and were killed
     agent_pids: list = field(default_factory=list)  # torchrun agent pid per node, in --node-rank order
+    # What in the machine made the run fail, in one line (lessonlib.launcher.faults): a disk that filled up,
+    # too many open files, a rank killed by SIGKILL that the launcher did not send; None if nothing was seen.
+    fault: str | None = None
 
     @property
     def world_size(self):
@@ -192,6 +199,7 @@ class Ending:
     # {rank: exit code} as the ranks' parent saw it, where that is the caller itself (the lesson tests
     # fork their ranks); under torchrun, its failure summary says it instead.
     exitcodes: dict = field(default_factory=dict)
+    seen: Seen | None = None  # what the launcher saw of the machine during the run (faults.EnvironmentWatch)
 
 
 def read_result(spec, run_dir, ending):
@@ -208,7 +216,7 @@ def read_result(spec, run_dir, ending):
         if r.start is not None and not recorded_exit:
             _judge_unrecorded(r, ending, from_torchrun.get(rank, ending.exitcodes.get(rank)))
         ranks.append(r)
-    return RunResult(
+    result = RunResult(
         script=spec.shown,
         args=list(spec.args),
         nproc=spec.nproc,
@@ -223,6 +231,9 @@ def read_result(spec, run_dir, ending):
         leftovers=[f"pid {p.pid}" for p in ending.leftovers],
         agent_pids=ending.agent_pids,
     )
+    if not result.ok:
+        result.fault = name_fault(result, ending.seen)
+    return result
 
 
 def _as_recorded(run_dir, rank):
@@ -242,6 +253,8 @@ def _as_recorded(run_dir, rank):
         if done.get("exc_type"):
             r.error = f"{done['exc_type']}: {done.get('message', '')}".rstrip(": ")
             r.traceback = done.get("traceback", "")
+        if done.get("nofile"):
+            r.nofile_limit = tuple(done["nofile"])
     return r, bool(done)
 
 

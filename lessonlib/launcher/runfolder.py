@@ -1,13 +1,17 @@
 """The run folder: how `lessonlib.launch` and the processes it starts talk to each other (chapter 1).
 
-`launch` makes a fresh folder for every run and starts each process of the run with the variables
-below in its environment (and the run's id as its mark: lessonlib.processes.marks). Every rank writes
-into the folder; the launcher reads it back into a RunResult, then removes it:
+`launch` makes a fresh folder for every run, `lessonlib-run-PID-START-ID-...` in the temporary folder
+(FOLDER_PREFIX, the launching process's pid and start time, so that the next launch can sweep a folder
+whose launcher died with its agents: lessonlib.processes.owners; then the start of the run's id), and
+starts each process of the run with the variables below in its environment (and the run's id as its
+mark: lessonlib.processes.marks). Every rank writes into the folder; the launcher reads it back into a
+RunResult, then removes it:
 
     rank{r}.stdout, rank{r}.stderr  rank r's file descriptors 1 and 2 (lessonlib.launcher._rank_main)
     rank{r}.start.json              {"rank", "pid", "time"}: written as the rank starts its script
-    rank{r}.exit.json               {"rank", "pid", "start", "end", "exitcode"}, with "exc_type",
+    rank{r}.exit.json               {"rank", "pid", "start", "end", "exitcode", "nofile"}, with "exc_type",
                                     "message" and "traceback" when the script failed: written as it ends
+                                    ("nofile": its RLIMIT_NOFILE then, [soft, hard])
     rank{r}.reports.jsonl           one {"tag", "value"} line per lessonlib.report(tag, value)
     agent{n}.log                    torchrun agent n's own output (its banner, its failure summary)
     torchrun{n}/                    torchrun's log folder (without one it leaves a folder in /tmp per run)
@@ -19,6 +23,7 @@ half of one. Every rank imports this module before its script runs: it needs the
 import json
 import os
 
+FOLDER_PREFIX = "lessonlib-run-"  # the run folder's name in the temporary folder starts so
 PREFIX = "LESSONLIB_"  # launch(env=...) refuses names with this prefix: they belong to lessonlib
 RUN_DIR_VAR = "LESSONLIB_RUN_DIR"  # the run folder
 LAUNCHER_PID_VAR = "LESSONLIB_LAUNCHER_PID"  # the torchrun agent dies with this process (_agent_main)

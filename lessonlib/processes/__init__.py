@@ -7,6 +7,8 @@ build, the tests and the chapters.
   a command that runs in the background while a cell works with it; `sigterm_cleans_up`; `poll_until`, the
   one bounded wait for something to become true.
 - `lifeline`: a process that dies with its parent (a rank with its agent, a chapter's executor with the build).
+- `owners`: what lessonlib makes outside the repository named with its owner's pid and start time, and the
+  sweep, at the next start, of what a dead owner left.
 
 Nothing is imported here: a rank imports `lifeline` alone (the standard library).
 """

@@ -128,7 +128,7 @@ def _write_and_close(pipe, text):
         pipe.close()
 
 
-class _Terminated(BaseException):
+class Terminated(BaseException):
     """Raised by sigterm_cleans_up's handler: unwinds the stack so that `finally` blocks run."""
 
 
@@ -147,12 +147,12 @@ def sigterm_cleans_up():
         return
 
     def handler(signum, frame):
-        raise _Terminated
+        raise Terminated
 
     signal.signal(signal.SIGTERM, handler)
     try:
         yield
-    except _Terminated:
+    except Terminated:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)  # now with the default action: the process ends here
         raise  # not reached

@@ -9,7 +9,7 @@ standard library, lessonlib) in grey, the reader's own in full colour. Shown pat
 
 import html
 
-from .story import exit_text, joined, printed, quiet_groups, quiet_text, rank_lines, status_line
+from .story import cause_line, exit_text, joined, printed, quiet_groups, quiet_text, rank_lines, status_line
 from .tracebacks import CPP_WHERE, ERROR_CHARS, FRAME_LINE, cut, is_library_path, segments, short_paths
 
 HTML_CAP = 300  # lines per stream in the final view (first and last halves); the result keeps all
@@ -61,6 +61,8 @@ def live_html(cmd, recent, counts, elapsed):
 
 def _summary_html(result):
     items = []
+    if cause := cause_line(result):  # the machine made it fail (a full disk, ...): said first
+        items.append(f'<li style="margin:1px 0;list-style:none"><b>{html.escape(short_paths(cause))}</b></li>')
     for line in rank_lines(result):
         tag = f' <b style="color:#b00020">({html.escape(line.tag)})</b>' if line.tag else ""
         where = f'<span style="color:#3d3d3d">; {html.escape(line.where)}</span>' if line.where else ""

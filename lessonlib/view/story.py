@@ -6,6 +6,9 @@ A run that failed is told the same way everywhere (the HTML view, `str(run)`, `L
 (`rank 0: RuntimeError: Timed out ...; at lessons/12_hang.py:57 in epoch_end: dist.barrier()`), then
 the details: the root cause's traceback, the stacks of the ranks that were stopped. `render_text` is
 `str(run)`; `render_columns` puts the ranks side by side in a terminal (`python -m lessonlib run --columns`).
+When the machine made the run fail (`run.fault`: a full disk, too many open files, a rank likely killed
+by the out-of-memory killer; lessonlib.launcher.faults), the story and `str(run)` open with
+`Cause: ...`, that line, before anything about the ranks.
 """
 
 from dataclasses import dataclass
@@ -143,14 +146,26 @@ def failure_line(result):
     return f"{result.script} {failed_ranks_text(result)}" + (f": {first}" if first else "")
 
 
+def cause_line(result):
+    """'Cause: ...' when the machine made the run fail (RunResult.fault), else ''."""
+    fault = getattr(result, "fault", None)
+    return f"Cause: {fault}" if fault else ""
+
+
 def describe_failure(result, details=True):
-    """What went wrong, for a person: a headline, one line per rank, then (with `details`) the root
-    cause's traceback and the stacks of the ranks that were stopped. RunResult.describe_failure and
-    LaunchError's message."""
+    """What went wrong, for a person: `Cause: ...` when the machine made it fail, a headline, one line per
+    rank, then (with `details`) the root cause's traceback and the stacks of the ranks that were stopped.
+    RunResult.describe_failure and LaunchError's message."""
     if result.ok:
         return f"{result.script}: " + (
             "its one rank exited 0" if result.world_size == 1 else f"all {result.world_size} ranks exited 0"
         )
+    cause = cause_line(result)
+    story = _describe_failure(result, details)
+    return f"{short_paths(cause)}\n{story}" if cause else story
+
+
+def _describe_failure(result, details):
     stopped = result.timed_out or result.interrupted
     what = f"timed out after {result.timeout:g} s" if result.timed_out else "was interrupted"
     if stopped and not [r for r in result.ranks if r.status != RunStatus.NOT_STARTED]:
@@ -229,8 +244,9 @@ def printed(r):
 
 
 def render_text(result):
-    """`str(run)`: the status line, one line per rank if it failed, then each rank's lines, prefixed."""
-    parts = [status_line(result)]
+    """`str(run)`: `Cause: ...` when the machine made it fail, the status line, one line per rank if it failed,
+    then each rank's lines, prefixed."""
+    parts = [line for line in (cause_line(result), status_line(result)) if line]
     if not result.ok:
         parts += [f"  {line}" for line in rank_lines(result)]
     quiet = [r for r in result.ranks if not printed(r)]
