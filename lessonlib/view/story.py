@@ -6,13 +6,16 @@ A run that failed is told the same way everywhere (the HTML view, `str(run)`, `L
 (`rank 0: RuntimeError: Timed out ...; at lessons/12_hang.py:57 in epoch_end: dist.barrier()`), then
 the details: the root cause's traceback, the stacks of the ranks that were stopped. `render_text` is
 `str(run)`; `render_columns` puts the ranks side by side in a terminal (`python -m lessonlib run --columns`).
+Every traceback and stack they show is folded (lessonlib.view.tracebacks.fold): the lesson's own frames,
+the first and the innermost of what it called, and one line for the rest.
 """
 
 from dataclasses import dataclass
 
 from ..launcher.status import RunStatus
-from .tracebacks import Frame, code_only, cut, innermost_frame, short_error, short_paths, stack_dump
+from .tracebacks import Frame, code_only, cut, folded_text, innermost_frame, short_error, short_paths, stack_dump
 
+EVERY_FRAME = "run.{what}"  # where a fold line sends the reader for every frame: run.ranks[1].stderr
 MIN_COLUMN = 24  # characters: the terminal's columns (render_columns) are never narrower
 SOURCE_CHARS = 100  # a source line in a one-line summary is cut here
 
@@ -149,9 +152,12 @@ def describe_failure(result, details=True):
         if stuck:
             lines.append("Their Python stacks at that moment:")
         for r in stuck:
-            lines += [f"--- rank {r.rank} stack ---", stack_dump(r.stderr) or tail(r.stderr, 30) or "(none printed)"]
+            lines += [
+                f"--- rank {r.rank} stack ---",
+                shown(stack_dump(r.stderr), r) or tail(r.stderr, 30) or "(none printed)",
+            ]
         if cause is not None:
-            lines += [f"Before that, rank {cause.rank} failed:", cause.traceback or cause.error]
+            lines += [f"Before that, rank {cause.rank} failed:", shown(cause.traceback, cause) or cause.error]
         return short_paths("\n".join(lines))
     if cause is None:
         lines += ["No rank recorded an error; torchrun said:", tail(result.launcher_output, 30)]
@@ -164,13 +170,23 @@ def describe_failure(result, details=True):
     )
     lines += [
         f"--- rank {cause.rank} traceback ---",
-        cause.traceback or tail(cause.stderr, 30) or "(no traceback: see its stderr)",
+        shown(cause.traceback, cause) or tail(cause.stderr, 30) or "(no traceback: see its stderr)",
     ]
     for r in result.ranks:
         stack = stack_dump(r.stderr) if r.status == RunStatus.TERMINATED else ""
         if stack and r is not cause:
-            lines += [f"--- rank {r.rank} stack (where it was when it was stopped) ---", stack]
+            lines += [f"--- rank {r.rank} stack (where it was when it was stopped) ---", shown(stack, r)]
     return short_paths("\n".join(lines))
+
+
+def shown(text, r):
+    """A traceback or stack of rank output `r` as a text view shows it: folded, the rest kept in its stderr."""
+    return "\n".join(folded_text(text, every_frame_of(r)))
+
+
+def every_frame_of(r, every_frame=EVERY_FRAME):
+    """What a fold line names as keeping every frame of rank output `r` (EVERY_FRAME: run.ranks[1].stderr)."""
+    return every_frame.format(what=f"ranks[{r.rank}].stderr")
 
 
 def quiet_groups(ranks):
@@ -204,15 +220,16 @@ def render_text(result):
             continue
         parts.append(f"--- rank {r.rank} ({exit_text(r)}) ---")
         parts.extend(f"[rank {r.rank}] {line}" for line in r.stdout.splitlines())
-        parts.extend(f"[rank {r.rank}:stderr] {line}" for line in r.stderr.splitlines())
+        parts.extend(f"[rank {r.rank}:stderr] {line}" for line in folded_text(r.stderr, every_frame_of(r)))
     if quiet:
         parts.append(quiet_text(quiet_groups(quiet)))
     return short_paths("\n".join(parts))
 
 
-def render_columns(result, width):
+def render_columns(result, width, every_frame=EVERY_FRAME):
     """Each rank's output in a column of its own, as many columns per row as fit in `width` characters
-    (`python -m lessonlib run --columns`); the ranks that printed nothing on one line below."""
+    (`python -m lessonlib run --columns`); the ranks that printed nothing on one line below. Tracebacks
+    and stacks folded, each fold line naming `every_frame` (formatted as EVERY_FRAME); None: not folded."""
     sep = " | "
     shown = [r for r in result.ranks if printed(r)]
     quiet = [r for r in result.ranks if not printed(r)]
@@ -228,8 +245,13 @@ def render_columns(result, width):
                 lines += _wrap(text, col)
             if r.stderr.strip():
                 lines.append("-- stderr --")
-                for text in short_paths(r.stderr).splitlines():
-                    lines += _wrap(text, col)
+                shown = (
+                    r.stderr.splitlines()
+                    if every_frame is None
+                    else folded_text(r.stderr, every_frame_of(r, every_frame))
+                )
+                for text in shown:
+                    lines += _wrap(short_paths(text), col)
             cells.append(lines)
         height = max(len(c) for c in cells)
         rows = []
