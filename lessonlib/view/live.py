@@ -98,7 +98,8 @@ class TextLiveView(NullView):
         what=ranks[1].stderr or launcher_output), or None to print every frame (`python -m lessonlib run
         --all-frames`)."""
         self.every_frame = every_frame
-        self.held = {}  # (rank, stream): [lines of a traceback or stack that may go on, when the last came]
+        self.held = {}  # (rank, stream): (lines of a traceback or stack that may go on, when the last came)
+        self.elapsed = 0.0  # the run's seconds at the last tick
 
     def lines(self, rank, stream, lines):
         if self.every_frame is None or stream != "stderr":
@@ -116,11 +117,11 @@ class TextLiveView(NullView):
         for kind, chunk in parts[: len(parts) - keep]:
             self._write(rank, stream, chunk if kind == "text" else self._folded(kind, chunk, rank))
         if keep:
-            self.held[rank, stream] = ([ln for _, chunk in parts[-keep:] for ln in chunk], time.monotonic())
+            self.held[rank, stream] = ([ln for _, chunk in parts[-keep:] for ln in chunk], self.elapsed)
 
     def tick(self, elapsed):
-        now = time.monotonic()
-        for key in [k for k, (_, last) in self.held.items() if now - last >= HOLD_QUIET]:
+        self.elapsed = elapsed
+        for key in [k for k, (_, last) in self.held.items() if elapsed - last >= HOLD_QUIET]:
             self._release(*key)
 
     def _release(self, rank, stream):

@@ -154,7 +154,7 @@ def describe_failure(result, details=True):
         for r in stuck:
             lines += [
                 f"--- rank {r.rank} stack ---",
-                shown(stack_dump(r.stderr), r) or tail(r.stderr, 30) or "(none printed)",
+                shown(stack_dump(r.stderr), r) or shown(r.stderr, r, last=30) or "(none printed)",
             ]
         if cause is not None:
             lines += [f"Before that, rank {cause.rank} failed:", shown(cause.traceback, cause) or cause.error]
@@ -170,7 +170,7 @@ def describe_failure(result, details=True):
     )
     lines += [
         f"--- rank {cause.rank} traceback ---",
-        shown(cause.traceback, cause) or tail(cause.stderr, 30) or "(no traceback: see its stderr)",
+        shown(cause.traceback, cause) or shown(cause.stderr, cause, last=30) or "(no traceback: see its stderr)",
     ]
     for r in result.ranks:
         stack = stack_dump(r.stderr) if r.status == RunStatus.TERMINATED else ""
@@ -179,9 +179,10 @@ def describe_failure(result, details=True):
     return short_paths("\n".join(lines))
 
 
-def shown(text, r):
-    """A traceback or stack of rank output `r` as a text view shows it: folded, the rest kept in its stderr."""
-    return "\n".join(folded_text(text, every_frame_of(r)))
+def shown(text, r, last=None):
+    """A traceback or stack of rank output `r` (or its stderr) as a text view shows it: folded, the rest kept
+    in its stderr; `last`: only that many lines of it, the last."""
+    return "\n".join(folded_text(text, every_frame_of(r))[-last if last else 0 :])
 
 
 def every_frame_of(r, every_frame=EVERY_FRAME):
