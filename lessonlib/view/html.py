@@ -11,7 +11,7 @@ wrote.
 
 import html
 
-from .story import exit_text, joined, printed, quiet_groups, quiet_text, rank_lines, status_line
+from .story import every_frame_of, exit_text, joined, printed, quiet_groups, quiet_text, rank_lines, status_line
 from .tracebacks import CPP_WHERE, ERROR_CHARS, FRAME_LINE, Fold, cut, fold, is_library_path, segments, short_paths
 
 HTML_CAP = 300  # lines per stream in the final view (first and last halves); the result keeps all
@@ -88,7 +88,7 @@ def _rank_body(r):
             else:
                 if i == 0:
                     blocks.append(_pre(marker))
-                blocks.append(_folded(kind, lines, f"run.ranks[{r.rank}].stderr"))
+                blocks.append(_folded(kind, lines, every_frame_of(r.rank)))
     return "".join(blocks)
 
 

@@ -18,7 +18,7 @@ import weakref
 from collections import deque
 
 from .html import live_html, render_html
-from .story import EVERY_FRAME, command_line, render_text, status_line
+from .story import EVERY_FRAME, command_line, every_frame_of, render_text, status_line
 from .tracebacks import fold, segments, short_paths
 
 LIVE_LINES = 12  # lines per rank in the live view
@@ -131,8 +131,10 @@ class TextLiveView(NullView):
 
     def _folded(self, kind, chunk, rank=None):
         """A traceback or stack of rank `rank` (None: torchrun's own output), folded, as lines."""
-        what = "launcher_output" if rank is None else f"ranks[{rank}].stderr"
-        where = self.every_frame.format(what=what)
+        if rank is None:
+            where = self.every_frame.format(what="launcher_output")
+        else:
+            where = every_frame_of(rank, self.every_frame)
         return [item if isinstance(item, str) else item.line(where) for item in fold(chunk, kind)]
 
     def _write(self, rank, stream, lines):

@@ -182,12 +182,12 @@ def describe_failure(result, details=True):
 def shown(text, r, last=None):
     """A traceback or stack of rank output `r` (or its stderr) as a text view shows it: folded, the rest kept
     in its stderr; `last`: only that many lines of it, the last."""
-    return "\n".join(folded_text(text, every_frame_of(r))[-last if last else 0 :])
+    return "\n".join(folded_text(text, every_frame_of(r.rank))[-last if last else 0 :])
 
 
-def every_frame_of(r, every_frame=EVERY_FRAME):
-    """What a fold line names as keeping every frame of rank output `r` (EVERY_FRAME: run.ranks[1].stderr)."""
-    return every_frame.format(what=f"ranks[{r.rank}].stderr")
+def every_frame_of(rank, every_frame=EVERY_FRAME, stream="stderr"):
+    """What a fold line names as keeping every frame of rank `rank`'s stream (EVERY_FRAME: run.ranks[1].stderr)."""
+    return every_frame.format(what=f"ranks[{rank}].{stream}")
 
 
 def quiet_groups(ranks):
@@ -221,7 +221,7 @@ def render_text(result):
             continue
         parts.append(f"--- rank {r.rank} ({exit_text(r)}) ---")
         parts.extend(f"[rank {r.rank}] {line}" for line in r.stdout.splitlines())
-        parts.extend(f"[rank {r.rank}:stderr] {line}" for line in folded_text(r.stderr, every_frame_of(r)))
+        parts.extend(f"[rank {r.rank}:stderr] {line}" for line in folded_text(r.stderr, every_frame_of(r.rank)))
     if quiet:
         parts.append(quiet_text(quiet_groups(quiet)))
     return short_paths("\n".join(parts))
@@ -249,7 +249,7 @@ def render_columns(result, width, every_frame=EVERY_FRAME):
                 shown = (
                     r.stderr.splitlines()
                     if every_frame is None
-                    else folded_text(r.stderr, every_frame_of(r, every_frame))
+                    else folded_text(r.stderr, every_frame_of(r.rank, every_frame))
                 )
                 for text in shown:
                     lines += _wrap(short_paths(text), col)
