@@ -317,11 +317,11 @@ def test_a_rank_that_aborts_prints_its_stack(monkeypatch, fresh):
 
 
 @pytest.mark.timeout(180)
-def test_dynamos_exit_function_runs_in_a_forked_rank_only_where_something_compiled(monkeypatch):
+def test_dynamos_exit_function_runs_in_a_forked_rank_only_where_something_compiled(tmp_path, monkeypatch):
     """Forked ranks inherit torch._dynamo's exit function from the agent: it logs its table of compile
     times (at INFO, turned on here) in the rank that compiled, and not in the one that did not."""
     if not forks():
         pytest.skip("ranks are not forked on this machine (NVIDIA devices present, or no os.fork)")
-    run = launch(monkeypatch, False, HELPERS / "compiles.py", 2).raise_for_status()
+    run = launch(monkeypatch, False, HELPERS / "compiles.py", 2, [str(tmp_path)]).raise_for_status()
     said = ["TorchDynamo compilation metrics" in r.stderr for r in run.ranks]
     assert said == [True, False], textwrap.indent("\n".join(r.stderr for r in run.ranks), "  ")
