@@ -32,9 +32,12 @@ What differs, and is visible only from outside: the rank's command line (`ps`, `
 agent's (or, for an agent forked from the agent server, lessonlib.launcher.fastpath.agentserver, the
 server's); /proc/PID/environ shows the agent's variables, the run's mark among them (the launcher finds
 the rank by it: lessonlib.processes.marks); and the string hash seed is the agent's (PYTHONHASHSEED).
-A machine with NVIDIA devices, or LESSONLIB_FRESH_RANKS=1 in the launch's environment, gets torchrun's
-own fresh processes: a CUDA driver touched in the agent would not survive a fork. The chapters'
-torchrun commands that readers type start fresh processes: this is `launch`'s alone.
+One difference is printed, and only where torch._dynamo's INFO log is on: a forked rank that compiled
+nothing does not log torch._dynamo's empty table of compile times at exit, as a fresh one that imported
+torch._dynamo does. A machine with NVIDIA devices, or LESSONLIB_FRESH_RANKS=1 in the launch's
+environment, gets torchrun's own fresh processes: a CUDA driver touched in the agent would not survive
+a fork. The chapters' torchrun commands that readers type start fresh processes: this is `launch`'s
+alone.
 
 `become` is also how lessonlib.launcher.fastpath.agentserver turns a fork of itself into a torchrun agent.
 It leans on three private CPython names, each for what the interpreter does on its own at start or exit:
