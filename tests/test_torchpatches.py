@@ -12,6 +12,7 @@ changes anything inside torch.
 import ast
 import inspect
 import sys
+from types import ModuleType
 
 import pytest
 
@@ -21,6 +22,13 @@ from lessonlib.sockets import own_tcp_sockets
 
 pytestmark = pytest.mark.unit
 RANK_MODULE = "lessonlib.launcher._rank_main"
+
+
+def module(**names):
+    """A stand-in for a torch module with these names (a module, as the guards are given)."""
+    made = ModuleType("torch_as_it_might_be")
+    vars(made).update(names)
+    return made
 
 
 @pytest.fixture
@@ -202,5 +210,139 @@ def test_no_other_module_of_lessonlib_changes_torch():
 def test_each_guard_is_documented_with_the_version_it_was_written_for():
     doc = inspect.getdoc(torchpatches)
     assert torchpatches.WRITTEN_FOR == "2.14.1" and "WRITTEN_FOR" in doc
-    for name in ("fork_workers", "quicken_rendezvous", "bind_store_servers"):
+    for name in (
+        "fork_workers",
+        "quicken_rendezvous",
+        "bind_store_servers",
+        "name_the_script",
+        "skip_empty_compile_times",
+    ):
         assert f"`{name}`" in doc, name
+
+
+# --------------------------------------------------------------------------- the program torchrun's report names
+
+
+def test_torchruns_report_names_the_script_not_the_rank_wrapper(patched):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.launcher import api
+
+    torchs = api._get_entrypoint_name
+    rank = ["-u", "-m", RANK_MODULE, "lessons/x.py", "--steps", "3"]
+    assert patched.entrypoint_name_problem(api, RANK_MODULE) is None
+    assert torchs(sys.executable, rank) == RANK_MODULE  # what the report said
+    assert patched.name_the_script(RANK_MODULE)
+    assert api._get_entrypoint_name(sys.executable, rank) == "lessons/x.py"
+    legacy = ["-u", "-m", RANK_MODULE, "--local-rank=${local_rank}", "lessons/x.py"]  # torch.distributed.launch's
+    assert api._get_entrypoint_name(sys.executable, legacy) == "lessons/x.py"
+    for entrypoint, args in [
+        (sys.executable, ["-u", "train.py", "--lr", "1"]),
+        (sys.executable, ["-u", "-m", "some.module", "a.py"]),
+        ("/usr/bin/env", ["a.py"]),
+        (sys.executable, ["-u", "-m", RANK_MODULE]),
+    ]:
+        assert api._get_entrypoint_name(entrypoint, args) == torchs(entrypoint, args), (entrypoint, args)
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="<N/A>")  # no such file: none read
+    report = ChildFailedError(name=api._get_entrypoint_name(sys.executable, rank), failures={0: failure}).format_msg()
+    assert "lessons/x.py FAILED" in report and RANK_MODULE not in report, report
+    patched.restore()
+    assert api._get_entrypoint_name is torchs
+
+
+def test_the_report_name_guard_names_what_changed():
+    def launch_agent(config, entrypoint, args):
+        entrypoint_name = _get_entrypoint_name(entrypoint, args)
+        raise RuntimeError(name=entrypoint_name)  # ChildFailedError( in torch's
+
+    def _get_entrypoint_name(entrypoint, args):
+        return next(arg for arg in args if not arg.startswith("-"))
+
+    def with_config(entrypoint, args, config):
+        pass
+
+    def first_of(entrypoint, args):
+        return args[0]
+
+    def nameless(config, entrypoint, args):
+        raise RuntimeError("the report names nothing")
+
+    shape = torchpatches.entrypoint_name_problem
+    assert shape(module(), RANK_MODULE) == "torch.distributed.launcher.api has no _get_entrypoint_name"
+    api = module(_get_entrypoint_name=with_config, launch_agent=launch_agent)
+    assert shape(api, RANK_MODULE) == "_get_entrypoint_name takes (entrypoint, args, config), not (entrypoint, args)"
+    api = module(_get_entrypoint_name=first_of, launch_agent=launch_agent)
+    assert shape(api, RANK_MODULE) == (
+        f"_get_entrypoint_name names '-u' for `python -u -m {RANK_MODULE} SCRIPT`, not '{RANK_MODULE}'"
+    )
+    api = module(_get_entrypoint_name=_get_entrypoint_name, launch_agent=nameless)
+    assert "launch_agent no longer names its failure report" in shape(api, RANK_MODULE)
+    api = module(_get_entrypoint_name=_get_entrypoint_name, launch_agent=launch_agent)
+    assert shape(api, RANK_MODULE) is None
+
+
+# --------------------------------------------------------------------------- torch._dynamo's compile times at exit
+
+
+def test_dynamos_exit_function_runs_only_where_something_compiled(patched, monkeypatch):
+    """Swapped in atexit for torch's (atexit's own calls, seen on their way through), it calls torch's own
+    only when compile times were recorded; restore() puts torch's back. (A forked rank's exit with and
+    without a compile: tests/test_stack_folding.py.)"""
+    import atexit
+
+    from lessonlib.launcher.fastpath.forkrank import import_dynamo
+
+    import_dynamo()  # as the agent does: no inductor cache folder or variable left to later tests' launches
+    from torch._dynamo import utils
+
+    calls = []
+    for name in ("register", "unregister"):
+        real = getattr(atexit, name)
+        monkeypatch.setattr(atexit, name, lambda fn, _name=name, _real=real: calls.append((_name, fn)) or _real(fn))
+    torchs = utils.dump_compile_times
+    assert patched.compile_times_problem(utils) is None
+    assert patched.skip_empty_compile_times() and patched.skip_empty_compile_times()  # twice: done once
+    ours = utils.dump_compile_times
+    assert ours is not torchs and calls == [("unregister", torchs), ("register", ours)], calls
+    tabulated = []
+    monkeypatch.setattr(utils, "compile_times", lambda **kw: tabulated.append(kw) or "")
+    monkeypatch.setattr(utils, "compilation_time_metrics", {})
+    ours()
+    assert tabulated == [], "nothing compiled, yet torch's exit function ran"
+    utils.compilation_time_metrics["_compile.compile_inner"] = [0.5]
+    ours()
+    assert tabulated == [{"repr": "str", "aggregate": True}]
+    del calls[:]
+    patched.restore()
+    assert utils.dump_compile_times is torchs and calls == [("unregister", ours), ("register", torchs)], calls
+
+
+def test_the_compile_times_guard_names_what_changed():
+    import atexit
+
+    @atexit.register
+    def dump_compile_times():
+        log(compile_times(repr="str", aggregate=True))
+
+    atexit.unregister(dump_compile_times)
+
+    def compile_times(repr="str", aggregate=False):
+        return str(compilation_time_metrics)
+
+    def unregistered():
+        log(compile_times(repr="str", aggregate=True))
+
+    def with_file(file):
+        pass
+
+    log, compilation_time_metrics = print, {}
+    shape = torchpatches.compile_times_problem
+    names = dict(dump_compile_times=dump_compile_times, compile_times=compile_times, compilation_time_metrics={})
+    assert shape(module(**names)) is None
+    assert shape(module()) == "torch._dynamo.utils has no dump_compile_times"
+    assert shape(module(**{**names, "dump_compile_times": with_file})) == ("dump_compile_times takes (file), not ()")
+    assert shape(module(**{**names, "compilation_time_metrics": []})) == (
+        "torch._dynamo.utils has no dict compilation_time_metrics"
+    )
+    assert shape(module(**{**names, "dump_compile_times": unregistered})) == (
+        "dump_compile_times is no longer registered with atexit where it is defined"
+    )

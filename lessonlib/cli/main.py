@@ -5,7 +5,9 @@
     python -m lessonlib list
 
 `run` is `lessonlib.launch(..., show="text")`: every line a rank prints appears at once with a
-`[rank N]` prefix, the run is bounded by --timeout, and no process of it outlives it. Afterwards
+`[rank N]` prefix (a traceback or stack as soon as it has ended, folded: the lesson's frames and one line
+for lessonlib's, torch's and Python's below them; --all-frames shows every frame), the run is bounded by
+--timeout, and no process of it outlives it. Afterwards
 --columns shows the ranks side by side, as wide as the terminal. Options for the lesson itself go
 after `--`. Exit status: 0 when every rank exited 0; 1 when a rank failed, and the last lines on
 stderr say how each rank ended and where it was, then name the first rank that failed with its error
@@ -32,6 +34,9 @@ from ..paths import ROOT, find_script, script_candidates
 # How a run is told is the view's (the same words as in a notebook); it imports no torch.
 from ..view.story import describe_failure, failure_line, render_columns
 from .catalog import chapter_titles, command_of, kind_of, lesson_files, nproc_of, summary_of
+
+# A fold line's pointer to every frame, in a terminal where there is no RunResult to read them from.
+EVERY_FRAME = "run again with --all-frames"
 
 DEFAULT_NPROC = 2  # for a script whose docstring names no world size
 DEFAULT_TIMEOUT = 300.0
@@ -143,14 +148,17 @@ def check_script(script, nproc):
     return path, nproc
 
 
-def run_lesson(script, nproc=None, timeout=DEFAULT_TIMEOUT, args=(), columns=False):
+def run_lesson(script, nproc=None, timeout=DEFAULT_TIMEOUT, args=(), columns=False, all_frames=False):
     """Launch `script` with every rank's lines shown live; return the exit status (see the docstring)."""
     path, nproc = check_script(script, nproc)
     from ..launcher.core import launch  # psutil and the views, not torch
     from ..launcher.faults import EnvironmentFault
+    from ..view.live import TextLiveView
 
+    every_frame = None if all_frames else EVERY_FRAME
+    view = TextLiveView(str(path), list(args), nproc, 1, every_frame=every_frame)
     try:
-        result = launch(path, nproc=nproc, args=list(args), timeout=timeout, show="text", cwd=os.getcwd())
+        result = launch(path, nproc=nproc, args=list(args), timeout=timeout, show=view, cwd=os.getcwd())
     except EnvironmentFault as e:  # the machine, not the command: one line, no usage
         sys.stderr.write(f"lessonlib run: {e}\n")
         sys.stderr.flush()
@@ -159,7 +167,7 @@ def run_lesson(script, nproc=None, timeout=DEFAULT_TIMEOUT, args=(), columns=Fal
         raise UsageError(str(e)) from None
     sys.stdout.flush()
     if columns:
-        sys.stdout.write(render_columns(result, shutil.get_terminal_size().columns) + "\n")
+        sys.stdout.write(render_columns(result, shutil.get_terminal_size().columns, every_frame) + "\n")
         sys.stdout.flush()
     if result.ok:
         return EXIT_OK
@@ -188,7 +196,8 @@ def build_parser():
         help="run a lesson under torchrun, each rank's lines shown live with a [rank N] prefix",
         description="Run a lesson under torchrun (lessonlib.launch): every rank's lines shown live with a\n"
         "[rank N] prefix, bounded by --timeout, no process left behind.",
-        usage="python -m lessonlib run SCRIPT [-n N] [--timeout SECONDS] [--columns] [-- LESSON OPTIONS ...]",
+        usage="python -m lessonlib run SCRIPT [-n N] [--timeout SECONDS] [--columns] [--all-frames]\n"
+        "       [-- LESSON OPTIONS ...]",
         epilog=RUN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -213,6 +222,12 @@ def build_parser():
         "--columns",
         action="store_true",
         help="after the run, show the ranks side by side in columns as wide as the terminal",
+    )
+    run.add_argument(
+        "--all-frames",
+        action="store_true",
+        help="show every frame of each traceback and stack (by default the frames of lessonlib, torch and "
+        "Python below the lesson's own are folded into one line)",
     )
     sub.add_parser(
         "list",
@@ -252,7 +267,7 @@ def main(argv=None):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return EXIT_OK
         try:
-            return run_lesson(args.script, args.nproc, args.timeout, lesson_args, args.columns)
+            return run_lesson(args.script, args.nproc, args.timeout, lesson_args, args.columns, args.all_frames)
         except UsageError as e:
             run_parser.print_usage(sys.stderr)
             sys.stderr.write(f"{run_parser.prog}: error: {e}\n")

@@ -11,8 +11,9 @@ it watches is that server, which exits when the launcher does.
 
 Before torchrun runs, the agent makes its changes inside torch (lessonlib.launcher.torchpatches, each
 guarded): the rendezvous names its events without `inspect.stack()`; a one-machine run's TCPStore
-servers listen on 127.0.0.1 alone; and, where ranks are forked (lessonlib.launcher.fastpath.forkrank),
-torchrun forks each rank from this agent.
+servers listen on 127.0.0.1 alone; torchrun's failure report names the lesson's script, not the rank
+wrapper; and, where ranks are forked (lessonlib.launcher.fastpath.forkrank), torchrun forks each rank
+from this agent.
 """
 
 import contextlib
@@ -59,6 +60,7 @@ if __name__ == "__main__":
         module = "torch.distributed.launch"
         del sys.argv[1]
     torchpatches.quicken_rendezvous()
+    torchpatches.name_the_script(forkrank.RANK_MODULE)  # its failure report names lessons/X.py
     if os.environ.get(STORES_ON_VAR):  # a one-machine launch: the stores on 127.0.0.1 alone (chapter 16)
         torchpatches.bind_store_servers(os.environ[STORES_ON_VAR])
     if forkrank.wanted():  # ranks forked from this agent, torch already imported

@@ -7,7 +7,9 @@ worker starts here and then runs SCRIPT exactly as `python SCRIPT ARGS...` would
   apart (C++ warnings from torch and gloo land there too, since this works below Python);
 - makes SIGUSR1 print every thread's Python stack (faulthandler), so a hung rank can say where it
   hangs before the launcher kills it; SIGTERM (torchrun stopping the other ranks after one failed)
-  prints the stack too and then terminates as usual; a hard crash (segfault) prints its stack as well;
+  prints the stack too and then terminates as usual, while the script runs (once it has ended, the
+  rank is only on its way out: a SIGTERM then just terminates it); a hard crash (segfault, abort) prints
+  its stack as well;
 - records how the rank ended (exit code, exception, traceback, time, its open-file limit) in a small
   JSON file, which is how `LaunchError` can name the first rank that failed rather than the last one to
   notice. One file descriptor is held back from the start and given back just before that record is
@@ -55,6 +57,17 @@ def _write_exit(run_dir, rank, record, spare):
     runfolder.write_exit(run_dir, rank, record)
 
 
+def _run_script(script):
+    """Run the script as `python SCRIPT` would. However it ends, a SIGTERM from then on (torchrun stopping
+    the ranks after another failed) finds the rank on its way out (atexit functions, the interpreter's
+    teardown), not where the script was: it terminates the rank without a stack. A hang there still
+    prints one when the launcher asks (SIGUSR1)."""
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        faulthandler.unregister(signal.SIGTERM)
+
+
 def main():
     # If the torchrun agent dies without stopping this rank, the rank must not live on alone.
     die_with_parent(signal.SIGKILL)
@@ -79,7 +92,7 @@ def main():
 
     record = {"rank": rank, "pid": os.getpid(), "start": started}
     try:
-        runpy.run_path(script, run_name="__main__")
+        _run_script(script)
         record["exitcode"] = 0
     except SystemExit as e:
         code = e.code

@@ -1,7 +1,7 @@
 """Every change lessonlib makes inside torch, in one place, each behind a guard (chapter 1, chapter 16).
 
-All three run in the torchrun agent that `lessonlib.launch` starts (lessonlib.launcher._agent_main), never in a
-lesson's own process, and each replaces one name where torchrun looks it up:
+All five run in the torchrun agent that `lessonlib.launch` starts (lessonlib.launcher._agent_main), never in a
+lesson's own process (a forked rank inherits the agent's), and each replaces one name where torch looks it up:
 
 - `fork_workers`: torch.distributed.elastic's `SubprocessHandler._popen`, the one step of torchrun that
   starts a worker. For a rank's exact command (`python -u -m lessonlib.launcher._rank_main ...`) it calls
@@ -21,20 +21,35 @@ lesson's own process, and each replaces one name where torchrun looks it up:
   clients, and everything else, are unchanged. Ranks forked from the agent inherit it; a fresh rank (a
   machine with NVIDIA GPUs) does not, since importing torch before the lesson does would make it differ
   from what a plain torchrun starts.
+- `name_the_script`: torchrun's `_get_entrypoint_name`, which names the program in its failure report
+  (`ChildFailedError`: "... FAILED", then the root cause) and its start-up log. For a launch's ranks,
+  `python -u -m lessonlib.launcher._rank_main SCRIPT ARGS`, torch's names the module; the replacement names
+  SCRIPT (lessons/01_launch.py), what the reader ran and what a bare torchrun would have named.
+- `skip_empty_compile_times`: torch._dynamo's exit function `dump_compile_times`, which `import
+  torch._dynamo` registers with atexit. It tabulates the compile times (importing the `tabulate` package
+  to do it) and logs the table at INFO, whether or not anything compiled. The agent imports torch._dynamo
+  for its forked ranks (lessonlib.launcher.fastpath.forkrank), so every forked rank inherited it and ran
+  it at exit, also in a rank that imported no torch._dynamo itself; a rank stopped by torchrun meanwhile
+  printed a stack of `tabulate` frames. The replacement, registered in its place, runs torch's own only
+  when something compiled (`compilation_time_metrics` not empty): the one case whose table has a row.
 
 The guards. Each patch was written for torch WRITTEN_FOR and relies on a shape of torch's code: a
 function's parameters, an attribute's name, TCPStore's positional parameters (it takes them
 positionally, and the subclass names them). Before it patches, each checks that shape in the installed
 torch (`*_problem`, which say what changed, or None); the shape decides, not the version string, so a
 later torch that keeps it gets the patch. When it changed:
-- `fork_workers` and `quicken_rendezvous` warn, naming both torch versions, and leave torch as it is: the
-  ranks start as fresh processes, the rendezvous names its events the slow way; the run is the same.
+- `fork_workers`, `quicken_rendezvous`, `name_the_script` and `skip_empty_compile_times` warn, naming both
+  torch versions, and leave torch as it is: the ranks start as fresh processes, the rendezvous names its
+  events the slow way, torchrun's report names lessonlib.launcher._rank_main, forked ranks tabulate empty
+  compile times at exit; the run is the same.
 - `bind_store_servers` raises TorchChanged, naming both versions: it keeps the stores off the network,
   and guessing which argument is which could bind the wrong address or none.
 
-`restore()` puts torch's own names back (the unit tests patch and restore in their own process).
+`restore()` puts torch's own names back, and its exit function in atexit (the unit tests patch and
+restore in their own process).
 """
 
+import atexit
 import inspect
 import socket
 import sys
@@ -61,6 +76,7 @@ STORE_MODULES = (  # where torchrun, its rendezvous and init_process_group look 
 )
 
 _originals = {}  # (module or class, name) -> torch's own object, for restore()
+_exit_functions = []  # (torch's, ours): ours registered with atexit in place of torch's, for restore()
 
 
 class TorchChanged(RuntimeError):
@@ -86,7 +102,11 @@ def _replace(owner, name, value):
 
 
 def restore():
-    """Put back every name a patch replaced (torch's own objects)."""
+    """Put back every name a patch replaced (torch's own objects), and torch's exit functions in atexit."""
+    while _exit_functions:
+        torchs, ours = _exit_functions.pop()
+        atexit.unregister(ours)
+        atexit.register(torchs)
     while _originals:
         (owner, name), original = _originals.popitem()
         setattr(owner, name, original)
@@ -250,3 +270,103 @@ def bind_store_servers(address):
         module = sys.modules.get(name) or importlib.import_module(name)
         if getattr(module, "TCPStore", None) is not None:
             _replace(module, "TCPStore", TCPStore)
+
+
+# --------------------------------------------------------------------------- the program torchrun's report names
+
+
+def entrypoint_name_problem(api, module):
+    """What differs from 2.14.1's `torch.distributed.launcher.api` that name_the_script relies on, or None:
+    `_get_entrypoint_name(entrypoint, args)` names `module` for `python -u -m MODULE SCRIPT`, and
+    `launch_agent` hands its name to ChildFailedError."""
+    fn = _originals.get((api, "_get_entrypoint_name"), getattr(api, "_get_entrypoint_name", None))
+    if fn is None:
+        return "torch.distributed.launcher.api has no _get_entrypoint_name"
+    params = list(inspect.signature(fn).parameters)
+    if params != ["entrypoint", "args"]:
+        return f"_get_entrypoint_name takes ({', '.join(params)}), not (entrypoint, args)"
+    try:
+        named = fn(sys.executable, ["-u", "-m", module, "lessons/x.py"])
+    except Exception as e:  # noqa: BLE001 - any failure is a change to report
+        return f"_get_entrypoint_name(python, [-u, -m, {module}, SCRIPT]) raises {type(e).__name__}: {e}"
+    if named != module:
+        return f"_get_entrypoint_name names {named!r} for `python -u -m {module} SCRIPT`, not {module!r}"
+    try:
+        source = inspect.getsource(api.launch_agent)
+    except (AttributeError, OSError, TypeError):
+        return "launch_agent's source cannot be read to find the name its failure report gives"
+    if "_get_entrypoint_name(" not in source or "name=entrypoint_name" not in source:
+        return "launch_agent no longer names its failure report (ChildFailedError) with _get_entrypoint_name"
+    return None
+
+
+def name_the_script(module):
+    """Have torchrun's failure report name SCRIPT for a rank command `python -u -m MODULE SCRIPT ARGS` (the
+    deprecated launcher's `--local-rank=N` before SCRIPT skipped, as any option), and return True; or warn
+    and return False when the guard finds torch changed."""
+    from torch.distributed.launcher import api
+
+    if problem := entrypoint_name_problem(api, module):
+        warnings.warn(changed("_get_entrypoint_name", problem) + "; its report names the module", stacklevel=2)
+        return False
+    original = _originals.get((api, "_get_entrypoint_name"), api._get_entrypoint_name)
+    command = ["-u", "-m", module]
+
+    def _get_entrypoint_name(entrypoint, args):
+        args = list(args)
+        if entrypoint == sys.executable and args[:3] == command:
+            script = next((arg for arg in args[3:] if not str(arg).startswith("-")), None)
+            if script is not None:
+                return script
+        return original(entrypoint, args)
+
+    _replace(api, "_get_entrypoint_name", _get_entrypoint_name)
+    return True
+
+
+# --------------------------------------------------------------------------- torch._dynamo's compile times at exit
+
+
+def compile_times_problem(utils):
+    """What differs from 2.14.1's `torch._dynamo.utils` that skip_empty_compile_times relies on, or None:
+    `dump_compile_times()` registered with atexit where it is defined, and its table made from the dict
+    `compilation_time_metrics`, empty until something compiled."""
+    fn = _originals.get((utils, "dump_compile_times"), getattr(utils, "dump_compile_times", None))
+    if fn is None:
+        return "torch._dynamo.utils has no dump_compile_times"
+    if inspect.signature(fn).parameters:
+        return f"dump_compile_times takes {inspect.signature(fn)}, not ()"
+    if not isinstance(getattr(utils, "compilation_time_metrics", None), dict):
+        return "torch._dynamo.utils has no dict compilation_time_metrics"
+    try:
+        source, table = inspect.getsource(fn), inspect.getsource(utils.compile_times)
+    except (AttributeError, OSError, TypeError):
+        return "the sources of dump_compile_times and compile_times cannot be read"
+    if "@atexit.register" not in source:
+        return "dump_compile_times is no longer registered with atexit where it is defined"
+    if "compile_times(" not in source or "compilation_time_metrics" not in table:
+        return "dump_compile_times no longer logs a table of compilation_time_metrics (compile_times)"
+    return None
+
+
+def skip_empty_compile_times():
+    """Have the exit function torch._dynamo registered run only when something compiled (imports
+    torch._dynamo), and return True; or warn and return False when the guard finds torch changed."""
+    from torch._dynamo import utils
+
+    if problem := compile_times_problem(utils):
+        warnings.warn(changed("dump_compile_times", problem) + "; every rank runs it at exit", stacklevel=2)
+        return False
+    if (utils, "dump_compile_times") in _originals:
+        return True  # done already: torch's own is no longer registered
+    torchs = utils.dump_compile_times
+
+    def dump_compile_times():
+        if utils.compilation_time_metrics:
+            torchs()
+
+    atexit.unregister(torchs)
+    atexit.register(dump_compile_times)
+    _exit_functions.append((torchs, dump_compile_times))
+    _replace(utils, "dump_compile_times", dump_compile_times)
+    return True

@@ -3,14 +3,26 @@ stacks folded, torchrun's own output folded) and the live view's frames (chapter
 
 Plain HTML with inline styles, so it reads the same in Jupyter, in VS Code and in the static book. Each
 traceback or stack is folded under its rank, the frames of torch (or any installed package, the
-standard library, lessonlib) in grey, the reader's own in full colour. Shown paths are short
-(lessonlib.view.tracebacks.short_paths); the RunResult keeps every byte the ranks wrote.
+standard library, lessonlib) in grey, the reader's own in full colour; inside it, the frames the reader
+need not see (lessonlib.view.tracebacks.fold) are one line each, a closed `<details>` that holds them.
+Shown paths are short (lessonlib.view.tracebacks.short_paths); the RunResult keeps every byte the ranks
+wrote.
 """
 
 import html
 
-from .story import cause_line, exit_text, joined, printed, quiet_groups, quiet_text, rank_lines, status_line
-from .tracebacks import CPP_WHERE, ERROR_CHARS, FRAME_LINE, cut, is_library_path, segments, short_paths
+from .story import (
+    cause_line,
+    every_frame_of,
+    exit_text,
+    joined,
+    printed,
+    quiet_groups,
+    quiet_text,
+    rank_lines,
+    status_line,
+)
+from .tracebacks import CPP_WHERE, ERROR_CHARS, FRAME_LINE, Fold, cut, fold, is_library_path, segments, short_paths
 
 HTML_CAP = 300  # lines per stream in the final view (first and last halves); the result keeps all
 
@@ -25,12 +37,15 @@ def render_html(result):
     head = f"{icon} {html.escape(short_paths(status_line(result)))}"
     extra = ""
     if result.launcher_output.strip():
-        n = len(result.launcher_output.splitlines())
+        lines = result.launcher_output.splitlines()
+        # torchrun's own traceback (its ChildFailedError) goes through the agent's internals: folded too.
+        items = [item for kind, chunk in segments(lines) for item in (chunk if kind == "text" else fold(chunk, kind))]
+        body = _with_folds(items, "run.launcher_output", lambda _, line: html.escape(short_paths(line)))
         extra = (
             f'<details style="margin-top:4px"><summary style="cursor:pointer">torchrun\'s own output '
-            f"({n} lines, kept apart from the ranks)</summary>"
-            f'<pre tabindex="0" style="{_PRE};{_SCROLL}">{html.escape(short_paths(result.launcher_output))}</pre>'
-            "</details>"
+            f"({len(lines)} lines, kept apart from the ranks)</summary>"
+            f'<div tabindex="0" style="{_SCROLL};{_BOX}">'
+            f"{body}</div></details>"
         )
     return _frame(
         head,
@@ -85,22 +100,25 @@ def _rank_body(r):
             else:
                 if i == 0:
                     blocks.append(_pre(marker))
-                blocks.append(_folded(kind, lines))
+                blocks.append(_folded(kind, lines, every_frame_of(r.rank)))
     return "".join(blocks)
 
 
-def _folded(kind, lines):
+def _folded(kind, lines, where):
     """A traceback or stack dump, closed: its summary says what it is; frames of torch (or any installed
-    package, the standard library, lessonlib) are grey, the reader's own in full colour. `lines` as the
-    rank wrote them (their paths say whose a frame is); shown with short paths."""
+    package, the standard library, lessonlib) are grey, the reader's own in full colour, and the frames
+    the reader need not see folded, one closed `<details>` each (its line names `where`, what keeps
+    them). `lines` as the rank wrote them (their paths say whose a frame is); shown with short paths."""
     last = max((i for i, ln in enumerate(lines) if ln.strip() and not ln.startswith((" ", "\t"))), default=0)
     if kind == "traceback":
         said = cut(short_paths(CPP_WHERE.sub("", lines[last])), ERROR_CHARS)
         title = f"traceback, {len(lines)} lines: {said}"
     else:
         title = f"Python stack when it was stopped, {len(lines)} lines"
-    body, library = [], False
-    for i, line in enumerate(lines):
+    library = False
+
+    def line_html(i, line):
+        nonlocal library
         m = FRAME_LINE.match(line)
         if m:
             library = is_library_path(m["file"])
@@ -108,16 +126,40 @@ def _folded(kind, lines):
             library = False  # a heading or the exception: not part of a frame
         shown = short_paths(line)
         if kind == "traceback" and i == last:
-            body.append(_span(shown, True))
-        elif library:
-            body.append(f'<span class="lessonlib-lib" style="color:#6b6b6b">{html.escape(shown)}</span>')
-        else:
-            body.append(html.escape(shown))
+            return _span(shown, True)
+        if library:
+            return f'<span class="lessonlib-lib" style="color:#6b6b6b">{html.escape(shown)}</span>'
+        return html.escape(shown)
+
     return (
         '<details class="lessonlib-traceback" style="margin:2px 6px 4px">'
         '<summary style="cursor:pointer;color:#8a0018;font-family:sans-serif;font-size:11.5px">'
-        f"{html.escape(title)}</summary>{_pre(chr(10).join(body))}</details>"
+        f'{html.escape(title)}</summary><div style="{_BOX}">{_with_folds(fold(lines, kind), where, line_html)}</div>'
+        "</details>"
     )
+
+
+def _with_folds(items, where, line_html):
+    """Lines (str, each shown by `line_html(index, line)`) and Folds as HTML: the lines in `<pre>` blocks,
+    each Fold a closed `<details>` whose summary is its one line and which holds its frames, grey."""
+    out, run, at = [], [], 0
+    for item in items:
+        if not isinstance(item, Fold):
+            run.append(line_html(at, item))
+            at += 1
+            continue
+        at += len(item.lines)
+        if run:
+            out.append(f'<pre style="{_PRE_TIGHT}">{chr(10).join(run)}</pre>')
+            run = []
+        frames = html.escape(short_paths("\n".join(item.lines)))
+        out.append(
+            f'<details class="lessonlib-fold"><summary style="{_FOLD_SUMMARY}">{html.escape(item.line(where))}'
+            f'</summary><pre style="{_PRE_TIGHT};color:#6b6b6b">{frames}</pre></details>'
+        )
+    if run:
+        out.append(f'<pre style="{_PRE_TIGHT}">{chr(10).join(run)}</pre>')
+    return "".join(out)
 
 
 # --------------------------------------------------------------------------- HTML pieces
@@ -125,6 +167,12 @@ def _folded(kind, lines):
 _PRE = (
     "margin:0;padding:4px 6px;white-space:pre-wrap;word-break:break-word;"
     "font-size:11.5px;line-height:1.35;background:#fbfbfb;color:#1b1b1b"
+)
+_PRE_TIGHT = _PRE.replace("padding:4px 6px", "padding:0 6px")  # one of the blocks a folded stack is cut into
+_BOX = "padding:4px 0;background:#fbfbfb"  # around those blocks: the padding one <pre> would have
+_FOLD_SUMMARY = (
+    "cursor:pointer;padding:0 6px;white-space:pre-wrap;word-break:break-word;font-family:monospace;"
+    "font-size:11.5px;line-height:1.35;color:#4a4a4a"
 )
 _SCROLL = "max-height:30em;overflow:auto"
 _SUMMARY = (

@@ -2,7 +2,9 @@
 
 In Jupyter or VS Code (an IPython kernel with a front end) the launcher shows one HTML output that it
 updates in place: the latest lines of every rank while the run goes on, then the final side-by-side
-view (lessonlib.view.html). In a terminal, every line is printed as it arrives with a `[rank N]` prefix.
+view (lessonlib.view.html). In a terminal, every line is printed as it arrives with a `[rank N]` prefix,
+but a traceback or stack dump is held until it has ended (the next line, or HOLD_QUIET seconds without
+one), then printed folded (lessonlib.view.tracebacks.fold).
 The launcher calls a view's `lines`, `tick` and `finish`; `NullView` shows nothing (show="none").
 
 A view never writes onto the RunResult: the cell whose view showed a run is noted here (`shown_in_cell`),
@@ -16,11 +18,12 @@ import weakref
 from collections import deque
 
 from .html import live_html, render_html
-from .story import command_line, render_text, status_line
-from .tracebacks import short_paths
+from .story import EVERY_FRAME, command_line, every_frame_of, render_text, status_line
+from .tracebacks import fold, segments, short_paths
 
 LIVE_LINES = 12  # lines per rank in the live view
 LIVE_EVERY = 0.25  # seconds between live redraws
+HOLD_QUIET = 0.5  # seconds without a line that end a traceback or stack the text view holds back
 
 
 def in_notebook():
@@ -90,14 +93,61 @@ class NullView:
 class TextLiveView(NullView):
     live, interval = True, 0.1
 
+    def __init__(self, script, args, nproc, nnodes, every_frame=EVERY_FRAME):
+        """`every_frame`: what a fold line names as keeping every frame (story.EVERY_FRAME, formatted with
+        what=ranks[1].stderr or launcher_output), or None to print every frame (`python -m lessonlib run
+        --all-frames`)."""
+        self.every_frame = every_frame
+        self.held = {}  # (rank, stream): (lines of a traceback or stack that may go on, when the last came)
+        self.elapsed = 0.0  # the run's seconds at the last tick
+
     def lines(self, rank, stream, lines):
+        if self.every_frame is None or stream != "stderr":
+            self._write(rank, stream, lines)
+            return
+        held, _ = self.held.pop((rank, stream), ([], 0.0))
+        parts = segments(held + lines)
+        # The last part may go on: a traceback or stack (its next frame, a chained exception, another
+        # thread), or blank lines after one. Held back; everything before it is printed now.
+        keep = 0
+        if parts and parts[-1][0] != "text":
+            keep = 1
+        elif len(parts) > 1 and parts[-2][0] != "text" and not "".join(parts[-1][1]).strip():
+            keep = 2
+        for kind, chunk in parts[: len(parts) - keep]:
+            self._write(rank, stream, chunk if kind == "text" else self._folded(kind, chunk, rank))
+        if keep:
+            self.held[rank, stream] = ([ln for _, chunk in parts[-keep:] for ln in chunk], self.elapsed)
+
+    def tick(self, elapsed):
+        self.elapsed = elapsed
+        for key in [k for k, (_, last) in self.held.items() if elapsed - last >= HOLD_QUIET]:
+            self._release(*key)
+
+    def _release(self, rank, stream):
+        held, _ = self.held.pop((rank, stream))
+        for kind, chunk in segments(held):
+            self._write(rank, stream, chunk if kind == "text" else self._folded(kind, chunk, rank))
+
+    def _folded(self, kind, chunk, rank=None):
+        """A traceback or stack of rank `rank` (None: torchrun's own output), folded, as lines."""
+        if rank is None:
+            where = self.every_frame.format(what="launcher_output")
+        else:
+            where = every_frame_of(rank, self.every_frame)
+        return [item if isinstance(item, str) else item.line(where) for item in fold(chunk, kind)]
+
+    def _write(self, rank, stream, lines):
         out = sys.stdout if stream == "stdout" else sys.stderr
         out.write("".join(f"[rank {rank}] {short_paths(line)}\n" for line in lines))
         out.flush()
 
     def finish(self, result):
-        for line in result.launcher_output.splitlines():
-            sys.stderr.write(f"[torchrun] {short_paths(line)}\n")
+        for key in list(self.held):
+            self._release(*key)
+        for kind, chunk in segments(result.launcher_output.splitlines()):
+            for line in chunk if kind == "text" or self.every_frame is None else self._folded(kind, chunk):
+                sys.stderr.write(f"[torchrun] {short_paths(line)}\n")
         sys.stdout.write(f"[lessonlib] {status_line(result)}\n")
         sys.stdout.flush()
         note_shown(result, _cell_number())  # every line is above: the cell need not show it again

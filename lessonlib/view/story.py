@@ -9,13 +9,17 @@ the details: the root cause's traceback, the stacks of the ranks that were stopp
 When the machine made the run fail (`run.fault`: a full disk, too many open files, a rank likely killed
 by the out-of-memory killer; lessonlib.launcher.faults), the story and `str(run)` open with
 `Cause: ...`, that line, before anything about the ranks.
+
+Every traceback and stack they show is folded (lessonlib.view.tracebacks.fold): the lesson's own frames,
+the first and the innermost of what it called, and one line for the rest.
 """
 
 from dataclasses import dataclass
 
 from ..launcher.status import RunStatus
-from .tracebacks import Frame, code_only, cut, innermost_frame, short_error, short_paths, stack_dump
+from .tracebacks import Frame, code_only, cut, folded_text, innermost_frame, short_error, short_paths, stack_dump
 
+EVERY_FRAME = "run.{what}"  # where a fold line sends the reader for every frame: run.ranks[1].stderr
 MIN_COLUMN = 24  # characters: the terminal's columns (render_columns) are never narrower
 SOURCE_CHARS = 100  # a source line in a one-line summary is cut here
 
@@ -195,9 +199,12 @@ def _describe_failure(result, details):
         if stuck:
             lines.append("Their Python stacks at that moment:")
         for r in stuck:
-            lines += [f"--- rank {r.rank} stack ---", stack_dump(r.stderr) or tail(r.stderr, 30) or "(none printed)"]
+            lines += [
+                f"--- rank {r.rank} stack ---",
+                shown(stack_dump(r.stderr), r) or shown(r.stderr, r, last=30) or "(none printed)",
+            ]
         if cause is not None:
-            lines += [f"Before that, rank {cause.rank} failed:", cause.traceback or cause.error]
+            lines += [f"Before that, rank {cause.rank} failed:", shown(cause.traceback, cause) or cause.error]
         return short_paths("\n".join(lines))
     if cause is None:
         lines += ["No rank recorded an error; torchrun said:", tail(result.launcher_output, 30) or "(nothing)"]
@@ -214,13 +221,24 @@ def _describe_failure(result, details):
         )
     lines += [
         f"--- rank {cause.rank} traceback ---",
-        cause.traceback or tail(cause.stderr, 30) or "(no traceback: see its stderr)",
+        shown(cause.traceback, cause) or shown(cause.stderr, cause, last=30) or "(no traceback: see its stderr)",
     ]
     for r in result.ranks:
         stack = stack_dump(r.stderr) if r.status == RunStatus.TERMINATED else ""
         if stack and r is not cause:
-            lines += [f"--- rank {r.rank} stack (where it was when it was stopped) ---", stack]
+            lines += [f"--- rank {r.rank} stack (where it was when it was stopped) ---", shown(stack, r)]
     return short_paths("\n".join(lines))
+
+
+def shown(text, r, last=None):
+    """A traceback or stack of rank output `r` (or its stderr) as a text view shows it: folded, the rest kept
+    in its stderr; `last`: only that many lines of it, the last."""
+    return "\n".join(folded_text(text, every_frame_of(r.rank))[-last if last else 0 :])
+
+
+def every_frame_of(rank, every_frame=EVERY_FRAME, stream="stderr"):
+    """What a fold line names as keeping every frame of rank `rank`'s stream (EVERY_FRAME: run.ranks[1].stderr)."""
+    return every_frame.format(what=f"ranks[{rank}].{stream}")
 
 
 def quiet_groups(ranks):
@@ -255,15 +273,16 @@ def render_text(result):
             continue
         parts.append(f"--- rank {r.rank} ({exit_text(r)}) ---")
         parts.extend(f"[rank {r.rank}] {line}" for line in r.stdout.splitlines())
-        parts.extend(f"[rank {r.rank}:stderr] {line}" for line in r.stderr.splitlines())
+        parts.extend(f"[rank {r.rank}:stderr] {line}" for line in folded_text(r.stderr, every_frame_of(r.rank)))
     if quiet:
         parts.append(quiet_text(quiet_groups(quiet)))
     return short_paths("\n".join(parts))
 
 
-def render_columns(result, width):
+def render_columns(result, width, every_frame=EVERY_FRAME):
     """Each rank's output in a column of its own, as many columns per row as fit in `width` characters
-    (`python -m lessonlib run --columns`); the ranks that printed nothing on one line below."""
+    (`python -m lessonlib run --columns`); the ranks that printed nothing on one line below. Tracebacks
+    and stacks folded, each fold line naming `every_frame` (formatted as EVERY_FRAME); None: not folded."""
     sep = " | "
     shown = [r for r in result.ranks if printed(r)]
     quiet = [r for r in result.ranks if not printed(r)]
@@ -279,8 +298,13 @@ def render_columns(result, width):
                 lines += _wrap(text, col)
             if r.stderr.strip():
                 lines.append("-- stderr --")
-                for text in short_paths(r.stderr).splitlines():
-                    lines += _wrap(text, col)
+                shown = (
+                    r.stderr.splitlines()
+                    if every_frame is None
+                    else folded_text(r.stderr, every_frame_of(r.rank, every_frame))
+                )
+                for text in shown:
+                    lines += _wrap(short_paths(text), col)
             cells.append(lines)
         height = max(len(c) for c in cells)
         rows = []

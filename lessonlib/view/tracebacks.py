@@ -6,6 +6,11 @@
   turned outermost first); the innermost of the reader's own code is where a rank was.
 - `stack_dump`: the faulthandler dump in a rank's stderr; `segments`: stderr cut into text, tracebacks and
   stack dumps, in order (the HTML view folds each).
+- `fold`, `folded_text`: a traceback or stack dump as the views show it: the reader's own frames, and of
+  what that code called into (torch's collective, lessonlib's setup) the first and the innermost frame;
+  every other frame (the launcher's and torchrun's below the lesson, the middle of torch's) folded into
+  one line, `... 45 frames in lessonlib, torch and Python internals (every frame: run.ranks[1].stderr)`.
+  What is stored stays whole: folding is only in what is shown.
 - `short_error`: an error on one line, for a summary.
 """
 
@@ -130,17 +135,10 @@ def code_only(source):
 
 
 def stack_dump(stderr):
-    """The faulthandler dump in a rank's stderr (from its first 'Thread 0x' line), or '' if none."""
+    """The faulthandler dump in a rank's stderr (from its first 'Thread 0x' line), or '' if none. Whole:
+    a view folds the frames below the lesson (folded_text)."""
     hits = [i for i in (stderr.find("Thread 0x"), stderr.find("Current thread 0x")) if i >= 0]
-    if not hits:
-        return ""
-    # The frames below the lesson (runpy, lessonlib.launcher._rank_main) are the launcher's, not the lesson's.
-    lines = [
-        ln
-        for ln in stderr[min(hits) :].splitlines()
-        if "<frozen runpy>" not in ln and "lessonlib/launcher/_rank_main.py" not in ln
-    ]
-    return "\n".join(lines).rstrip()
+    return stderr[min(hits) :].rstrip() if hits else ""
 
 
 def segments(lines):
@@ -191,3 +189,110 @@ def segments(lines):
             add("text", [line])
             i += 1
     return out
+
+
+# --------------------------------------------------------------------------- folding what is not the reader's
+
+FOLD_INDENT = "  "  # a fold line sits where the frames it stands for would
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Consecutive frames a view shows as one line: their lines as written, how many frames, whose."""
+
+    lines: tuple
+    frames: int
+    owners: str  # "lessonlib, torch and Python"
+
+    def line(self, where):
+        """The one line shown for them; `where` names what keeps every frame (run.ranks[1].stderr)."""
+        return f"{FOLD_INDENT}... {self.frames} frames in {self.owners} internals (every frame: {where})"
+
+
+def owner(path):
+    """Whose code a library frame's file is: 'lessonlib', an installed package's name ('torch'), or
+    'Python' (the standard library, <frozen runpy>)."""
+    if path.startswith(("lessonlib/", _LESSONLIB)):
+        return "lessonlib"
+    site = _SITE_PREFIX.search(path)
+    if site:
+        return path[site.end() :].split("/", 1)[0].removesuffix(".py")
+    return "Python"
+
+
+def _owners(files):
+    found = {owner(f) for f in files}
+    names = [n for n in ("lessonlib",) if n in found]
+    names += sorted(found - {"lessonlib", "Python"}) + [n for n in ("Python",) if n in found]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _kept(files):
+    """Which frames of one unbroken run (outermost first) a view shows: the reader's own; of each stretch of
+    library frames that the reader's code called, its first and its innermost; with no frame of the
+    reader's, the innermost alone. The library frames that called the reader's code are not kept."""
+    own = [not is_library_path(f) for f in files]
+    if not any(own):
+        return [i == len(files) - 1 for i in range(len(files))]
+    keep, seen_own = list(own), False
+    for i, is_own in enumerate(own):
+        if is_own:
+            seen_own = True
+        elif seen_own and (own[i - 1] or i == len(own) - 1 or own[i + 1]):
+            keep[i] = True  # the first library frame the reader's code called, or the innermost of them
+    return keep
+
+
+def fold(lines, kind):
+    """The lines of one traceback or stack dump (`kind` 'traceback' or 'stack', as segments() says; as the
+    rank wrote them: their paths tell whose a frame is) with what the reader need not see folded: a list of
+    lines (str) and Folds (two frames or more each; a single frame is shown, not folded). A traceback
+    lists the outermost frame first, each with its source lines; a stack dump the innermost first, each
+    thread's frames apart."""
+    units = []  # (file of a frame, or None for any other line; its lines)
+    for line in lines:
+        m = FRAME_LINE.match(line)
+        if m:
+            units.append((m["file"], [line]))
+        elif (
+            kind == "traceback" and units and units[-1][0] is not None and line.startswith((" ", "\t")) and line.strip()
+        ):
+            units[-1][1].append(line)  # its source line, the carets under it, "[Previous line repeated ...]"
+        else:
+            units.append((None, [line]))
+    out, i = [], 0
+    while i < len(units):
+        if units[i][0] is None:
+            out.extend(units[i][1])
+            i += 1
+            continue
+        j = i
+        while j < len(units) and units[j][0] is not None:
+            j += 1
+        run = units[i:j]
+        files = [f for f, _ in run]
+        keep = _kept(files) if kind == "traceback" else _kept(files[::-1])[::-1]
+        k = 0
+        while k < len(run):
+            e = k
+            while e < len(run) and not keep[e]:
+                e += 1
+            if e - k >= 2:
+                out.append(Fold(tuple(x for _, ls in run[k:e] for x in ls), e - k, _owners(files[k:e])))
+            else:
+                out.extend(x for _, ls in run[k:e] for x in ls)
+            if e < len(run):
+                out.extend(run[e][1])
+            k = e + 1
+        i = j
+    return out
+
+
+def folded_text(text, where):
+    """`text` (a rank's stderr, a traceback, torchrun's output) as the text views show it: the lines of
+    every traceback and stack dump in it folded (fold), each Fold as its one line naming `where`."""
+    shown = []
+    for kind, lines in segments((text or "").splitlines()):
+        items = lines if kind == "text" else fold(lines, kind)
+        shown += [item.line(where) if isinstance(item, Fold) else item for item in items]
+    return shown

@@ -15,21 +15,29 @@ What the child resets, so that a rank cannot tell the difference in what it comp
 - a session of its own (torchrun's `start_new_session`), the environment torchrun gave the rank (in
   os.environ, so C++ code reading it sees it too), the agent's files torchrun asked for on fd 1 and 2;
 - signal handlers as `exec` and Python's start leave them (torchrun's own handlers reset, ignored
-  signals still ignored); the state of a fresh interpreter that has imported torch, saved in the agent
-  before torchrun ran: warning filters, the root logger's handlers, sys.path;
+  signals still ignored), faulthandler off as at start (torchrun's `@record` turned it on in the agent:
+  left so, it would say it is on while the reset took its handlers away, and the rank wrapper's own
+  `faulthandler.enable()` would then do nothing, so a rank that aborts would print no stack); the state
+  of a fresh interpreter that has imported torch, saved in the agent before torchrun ran: warning
+  filters, the root logger's handlers, sys.path;
 - fresh random seeds (torch's and numpy's; Python's `random` reseeds at every fork), the intra-op
   thread count from OMP_NUM_THREADS as torch reads it at start, unbuffered stdout and stderr (`-u`);
 - lessonlib's modules dropped, so the lesson imports what it uses, as a fresh process would;
 - at the end, what the interpreter does at exit (non-daemon threads joined, atexit functions run,
-  streams flushed), then the exit status, as a number or a signal.
+  streams flushed), then the exit status, as a number or a signal. The agent's own atexit functions are
+  inherited, among them torch._dynamo's, which the agent imported for its ranks: it runs only where
+  something compiled (lessonlib.launcher.torchpatches.skip_empty_compile_times).
 
 What differs, and is visible only from outside: the rank's command line (`ps`, `pgrep -f`) is the
 agent's (or, for an agent forked from the agent server, lessonlib.launcher.fastpath.agentserver, the
 server's); /proc/PID/environ shows the agent's variables, the run's mark among them (the launcher finds
 the rank by it: lessonlib.processes.marks); and the string hash seed is the agent's (PYTHONHASHSEED).
-A machine with NVIDIA devices, or LESSONLIB_FRESH_RANKS=1 in the launch's environment, gets torchrun's
-own fresh processes: a CUDA driver touched in the agent would not survive a fork. The chapters'
-torchrun commands that readers type start fresh processes: this is `launch`'s alone.
+One difference is printed, and only where torch._dynamo's INFO log is on: a forked rank that compiled
+nothing does not log torch._dynamo's empty table of compile times at exit, as a fresh one that imported
+torch._dynamo does. A machine with NVIDIA devices, or LESSONLIB_FRESH_RANKS=1 in the launch's
+environment, gets torchrun's own fresh processes: a CUDA driver touched in the agent would not survive
+a fork. The chapters' torchrun commands that readers type start fresh processes: this is `launch`'s
+alone.
 
 `become` is also how lessonlib.launcher.fastpath.agentserver turns a fork of itself into a torchrun agent.
 It leans on three private CPython names, each for what the interpreter does on its own at start or exit:
@@ -38,6 +46,7 @@ It leans on three private CPython names, each for what the interpreter does on i
 
 import atexit
 import contextlib
+import faulthandler
 import gc
 import io
 import logging
@@ -76,6 +85,8 @@ def install():
     import torch  # noqa: F401 - the state saved below is that of a fresh process with torch imported
 
     import_dynamo()  # the first optimizer of every training rank imports it (2 CPU-seconds): pay once, here
+    # ...without its exit function in every rank, which tabulates compile times whether any compiled or not.
+    torchpatches.skip_empty_compile_times()
     _saved = snapshot()
     torchpatches.fork_workers(RANK_MODULE, ForkedRank)
     # Every object so far moves out of the collector's reach: a child's collections then never write to
@@ -186,6 +197,8 @@ def _fresh_state(env, saved):
     # are ignored.
     with contextlib.suppress(ValueError):
         signal.set_wakeup_fd(-1)  # a parent's (the agent server's) wake-up pipe is not the child's
+    # faulthandler as a fresh interpreter starts: off, its handlers out, unless PYTHONFAULTHANDLER (below).
+    faulthandler.disable()
     for sig in signal.valid_signals():
         with contextlib.suppress(OSError, ValueError, TypeError):
             if signal.getsignal(sig) != signal.SIG_IGN:
@@ -210,6 +223,8 @@ def _fresh_state(env, saved):
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), "utf-8", "backslashreplace", write_through=True
     )
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable(all_threads=True)  # as `python` does at start, onto the rank's own stderr
     import multiprocessing
 
     import torch
