@@ -404,7 +404,7 @@ def test_a_rank_that_failed_before_the_timeout_is_told_after_the_stacks(tmp_path
     run = folder.read(returncodes=[-signal.SIGKILL], timed_out=True)
     assert statuses(run) == [(RunStatus.FAILED, 1), (RunStatus.HUNG, None), (RunStatus.HUNG, None)]
     assert run.root_cause.rank == 0 and lines(run)[0].startswith("rank 0 (root cause): ValueError: bad batch 3")
-    assert f"Before that, rank 0 failed:\n{traceback_text(tmp_path / 'lesson.py')}" in run.describe_failure()
+    assert f"Before that, rank 0 failed:\n{traceback_text(tmp_path / 'lesson.py').rstrip()}" in run.describe_failure()
     assert failure_line(run).endswith(
         "rank(s) 1, 2 were still running and were killed; before that, rank 0 failed first with ValueError: bad batch 3"
     )
