@@ -26,7 +26,7 @@ from lessonlib.view.story import describe_failure, exit_text, failure_line, rank
 
 # The keys of the records _rank_main writes (the format test below holds them to a real run's).
 START_KEYS = {"rank", "pid", "time"}
-EXIT_KEYS = {"rank", "pid", "start", "end", "exitcode"}
+EXIT_KEYS = {"rank", "pid", "start", "end", "exitcode", "nofile"}  # nofile: its open-file limits
 FAILED_EXIT_KEYS = EXIT_KEYS | {"exc_type", "message", "traceback"}
 # What gloo says on a rank whose peer went away (the path is where torch's build machine had gloo's source).
 GLOO_AT = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] "
@@ -88,7 +88,7 @@ class Run:
         if reports:
             self.write(f"rank{r}.reports.jsonl", "".join(json.dumps({"tag": t, "value": v}) + "\n" for t, v in reports))
         if exitcode is not None:
-            record = {"rank": r, "pid": pid, "start": start, "end": end, "exitcode": exitcode}
+            record = {"rank": r, "pid": pid, "start": start, "end": end, "exitcode": exitcode, "nofile": [1024, 4096]}
             if error is not None:
                 exc_type, _, message = error.partition(": ")
                 record.update(exc_type=exc_type, message=message, traceback=traceback)
