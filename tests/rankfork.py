@@ -5,11 +5,10 @@ through lessonlib.launcher._rank_main exactly as a rank of `lessonlib.launch` do
 and exit records, its stack dump on SIGUSR1 or SIGTERM), with the environment torchrun and the
 launcher give a rank; the test then reads the run folder with the launcher's own
 `lessonlib.launcher.result.read_result`, so a failure reads as it does in the book. What this module saves is
-the imports in each of them: torch (about 2 CPU-seconds), torch._dynamo (1.5 more, pulled in by the
-first optimizer any training lesson builds), torchmetrics, torchvision: third-party packages only,
-never lessonlib, whose modules each rank imports as the lesson asks (a fresh start). The lesson tests
-start some 450 ranks: measured on the 2-core build machine, the lesson tests took 1438 CPU-seconds
-with an import per rank and 333 with the imports preloaded.
+the imports in each of them: torch, torch._dynamo (pulled in by the first optimizer any training
+lesson builds), torchmetrics, torchvision: third-party packages only, never lessonlib, whose modules
+each rank imports as the lesson asks (a fresh start). The lesson tests start some hundreds of ranks,
+and for a small lesson those imports are most of a rank's CPU time.
 
 How: one multiprocessing fork server per test worker imports torch once (with OMP_NUM_THREADS=1
 already set, as torchrun sets it, since OpenMP reads it when torch loads). Each rank is then a fork

@@ -85,4 +85,4 @@ def test_a_transport_that_wchar_cannot_see_is_an_error_not_zero_bytes():
     check_counted(0, 4096, 1)  # one rank sends nothing: 0 is the truth
     check_counted(0, 0, 4)  # no payload given
     check_counted(8192, 4096, 2)
-    check_counted(None, 4096, 2)  # no /proc: Traffic reports None, as before
+    check_counted(None, 4096, 2)  # no /proc: Traffic reports None

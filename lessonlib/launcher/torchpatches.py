@@ -10,9 +10,9 @@ lesson's own process (a forked rank inherits the agent's), and each replaces one
   stopping, restarting and failure summary.
 - `quicken_rendezvous`: the rendezvous's `get_method_name`, which names the method that records each
   rendezvous event with `inspect.stack()`: that looks up the source file and module of every frame,
-  walking all of sys.modules for each (a few thousand modules once torch is imported), some 2.5 of the
-  2.7 CPU-seconds a launch of a script that does nothing cost the agent. The replacement reads the same
-  name from the frame itself.
+  walking all of sys.modules for each (a few thousand modules once torch is imported), most of what a
+  launch of a script that does nothing costs the agent. The replacement reads the same name from the
+  frame itself.
 - `bind_store_servers`: `TCPStore`, in the modules where torchrun, its rendezvous and init_process_group
   look it up (STORE_MODULES), replaced by a subclass whose server listens on one address. A TCPStore
   server listens on every address of the machine whatever host name it is given; on a laptop on a LAN,

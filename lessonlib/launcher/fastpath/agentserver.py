@@ -1,7 +1,7 @@
 """torchrun agents forked from one server per launching process, which has imported torch once.
 
 Every `lessonlib.launch` starts a torchrun agent, `python -m lessonlib.launcher._agent_main ...`, which imports
-torch and torch._dynamo (about 4 CPU-seconds) and then forks the ranks from itself
+torch and torch._dynamo and then forks the ranks from itself
 (lessonlib.launcher.fastpath.forkrank).
 A chapter launches a dozen times or more, each paying for those imports again. So at its first launch
 the launching process (a notebook kernel, a test worker, the terminal runner) starts this server, which
