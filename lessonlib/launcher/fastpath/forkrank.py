@@ -1,13 +1,13 @@
 """Ranks forked from the torchrun agent that `lessonlib.launch` starts, instead of a fresh `python` each.
 
-torchrun starts every rank as a new process: `python -u -m lessonlib.launcher._rank_main SCRIPT ARGS`. Each one
-then imports torch and, at its first optimizer, torch._dynamo, which the agent has already paid
-for; a small lesson's run is mostly those imports. So in the agent (lessonlib.launcher._agent_main)
-the one step of torchrun that starts a worker calls this module for that exact command (lessonlib.launcher.torchpatches.fork_workers): it forks the
-agent, and the child becomes the rank a fresh `python` would have been, then runs
-lessonlib.launcher._rank_main in-process. Everything else is torchrun's own: its rendezvous, its
-environment for each rank, its watching, stopping, restarting and failure summary, which see a child
-process with a pid.
+torchrun starts every rank as a new process: `python -u -m lessonlib.launcher._rank_main SCRIPT ARGS`. Each
+one then imports torch and, at its first optimizer, torch._dynamo, which the agent has already paid for; a
+small lesson's run is mostly those imports. So in the agent (lessonlib.launcher._agent_main) the one step of
+torchrun that starts a worker calls this module for that exact command
+(lessonlib.launcher.torchpatches.fork_workers): it forks the agent, and the child becomes the rank a fresh
+`python` would have been, then runs lessonlib.launcher._rank_main in-process. Everything else is torchrun's
+own: its rendezvous, its environment for each rank, its watching, stopping, restarting and failure summary,
+which see a child process with a pid.
 
 What the child resets, so that a rank cannot tell the difference in what it computes or prints:
 
