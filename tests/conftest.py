@@ -13,6 +13,7 @@ any, and such a test fails.
 import contextlib
 import os
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -183,3 +184,14 @@ def built_book(tmp_path_factory):
     from test_book import execute_and_build  # tests/ is on sys.path, as for rankfork
 
     return execute_and_build(tmp_path_factory.mktemp("book"))
+
+
+@pytest.fixture
+def use_tmpdir(monkeypatch):
+    """Point this process's TMPDIR (and so every launch's) at a folder: `use_tmpdir(folder)`."""
+
+    def use(folder):
+        monkeypatch.setenv("TMPDIR", str(folder))
+        monkeypatch.setattr(tempfile, "tempdir", None)  # Python reads TMPDIR again
+
+    return use

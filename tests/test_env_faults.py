@@ -19,7 +19,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 
 import psutil
 import pytest
@@ -54,17 +53,6 @@ def tmpfs(folder, size, *options):
         if done.returncode != 0:  # something still holds it: detach it now, it goes when released
             subprocess.run(["umount", "-l", str(folder)], capture_output=True, timeout=30)
         assert not os.path.ismount(folder), f"{folder} is still mounted: {done.stderr}"
-
-
-@pytest.fixture
-def use_tmpdir(monkeypatch):
-    """Point this process's TMPDIR (and so every launch's) at a folder."""
-
-    def use(folder):
-        monkeypatch.setenv("TMPDIR", str(folder))
-        monkeypatch.setattr(tempfile, "tempdir", None)  # Python reads TMPDIR again
-
-    return use
 
 
 def launch(script, nproc=2, **kwargs):

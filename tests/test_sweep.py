@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -114,15 +113,6 @@ def launcher(tmp_path):
     yield start
     for one in started:
         one.close()
-
-
-@pytest.fixture
-def use_tmpdir(monkeypatch):
-    def use(folder):
-        monkeypatch.setenv("TMPDIR", str(folder))
-        monkeypatch.setattr(tempfile, "tempdir", None)  # Python reads TMPDIR again
-
-    return use
 
 
 def quick_launch():
