@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -122,8 +123,11 @@ def test_the_scanner_catches_an_unbacked_quote():
 
 
 @pytest.mark.unit
-def test_torchrun_defaults_the_chapter_states():
+def test_torchrun_defaults_the_chapter_states(tmp_path, monkeypatch):
     from torch.distributed.launcher.api import LaunchConfig  # noqa: PLC0415
+
+    # LaunchConfig() makes torchrun's torchelastic_* log folder as it is built: in this test's folder, not in /tmp.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     from torch.distributed.run import get_args_parser  # noqa: PLC0415
 
     args = get_args_parser().parse_args(["script.py"])
