@@ -128,6 +128,97 @@ def slurm_conf(folder, controller, nodes, cpus):
     return "\n".join(lines) + "\n"
 
 
+# --- the caller's settings and partitions (chapter 18) -----------------------------------------------------
+#
+# Slurm(settings=["Key=Value", ...]) puts each line in slurm.conf in place of the cluster's own line for that
+# key (KillWait=7 replaces KillWait=5), or before the node lines; Slurm.reconfigure(settings) does the same to
+# a running cluster. Slurm(partitions={name: "Key=Value ...", ...}) replaces the one partition, batch, with
+# these: each has every node, the first is the default, and each runs with MaxTime=INFINITE State=UP unless
+# its options say otherwise. Refused, before anything is made: the keys below, which the cluster sets itself
+# and cannot do without (its hosts, ports, users, paths and credentials, and how it tracks and binds
+# processes inside namespaces: the module's docstring), and the nodes and default of a partition.
+FIXED_KEYS = (
+    "ClusterName SlurmctldHost ControlMachine SlurmctldPort SlurmdPort SlurmUser SlurmdUser AuthType CredType "
+    "AuthInfo StateSaveLocation SlurmdSpoolDir SlurmctldPidFile SlurmdPidFile SlurmctldLogFile SlurmdLogFile "
+    "ProctrackType TaskPlugin MailProg Include NodeName PartitionName NodeSet"
+).split()
+PARTITION_FIXED = ("PartitionName", "Nodes", "Default")  # every partition has every node; the first is the default
+MAX_PARTITIONS = 4
+SETTING = re.compile(r"([A-Za-z][A-Za-z0-9]*)=(\S+)")  # slurm.conf's Key=Value (fullmatch); keys ignore case
+PARTITION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,14}")  # fullmatch
+
+
+def _setting_problem(item, fixed, what):
+    if not isinstance(item, str) or not (m := SETTING.fullmatch(item)):
+        return f"each of {what} must be a string Key=Value with no space in it (e.g. 'SlurmdTimeout=3'); got {item!r}"
+    if m[1].lower() in {k.lower() for k in fixed}:
+        return f"{what} cannot set {m[1]}: the cluster sets it itself (as it does {', '.join(fixed)}); got {item!r}"
+    return None
+
+
+def _settings(settings):
+    """`settings` as a tuple of checked Key=Value strings, or a ValueError saying what is wrong."""
+    if isinstance(settings, str) or not isinstance(settings, (list, tuple)):
+        raise ValueError(
+            f"settings must be a list of slurm.conf lines Key=Value (e.g. ['SlurmdTimeout=3']); got {settings!r}"
+        )
+    for item in settings:
+        if problem := _setting_problem(item, FIXED_KEYS, "settings"):
+            raise ValueError(problem)
+    keys = [item.split("=", 1)[0].lower() for item in settings]
+    if dupes := sorted({k for k in keys if keys.count(k) > 1}):
+        raise ValueError(f"settings names {', '.join(dupes)} more than once; got {settings!r}")
+    return tuple(settings)
+
+
+def _partitions(partitions):
+    """`partitions` as a dict {name: (Key=Value, ...)}, or a ValueError saying what is wrong."""
+    if partitions is None:
+        return {"batch": ()}
+    usage = "partitions must be a dict {name: 'Key=Value ...'} of 1 to %d partitions (e.g. {'batch': 'PriorityTier=1'})"
+    if not isinstance(partitions, dict) or not 1 <= len(partitions) <= MAX_PARTITIONS:
+        raise ValueError(f"{usage % MAX_PARTITIONS}; got {partitions!r}")
+    checked = {}
+    for name, options in partitions.items():
+        if not isinstance(name, str) or not PARTITION_NAME.fullmatch(name):
+            raise ValueError(f"a partition's name must be a letter then up to 14 letters, digits, _ or -; got {name!r}")
+        if not isinstance(options, str):
+            raise ValueError(f"{usage % MAX_PARTITIONS}: partition {name}'s options are not a string; got {options!r}")
+        for item in options.split():
+            if problem := _setting_problem(item, PARTITION_FIXED, f"partition {name}'s options"):
+                raise ValueError(problem)
+        checked[name] = tuple(options.split())
+    return checked
+
+
+def _with_settings(text, settings):
+    """slurm.conf `text` with each of `settings` in place of the line that sets the same key, or added before
+    the first node line."""
+    lines = text.splitlines()
+    for item in settings:
+        key = item.split("=", 1)[0].lower()
+        at = [i for i, line in enumerate(lines) if line.split("=", 1)[0].lower() == key]
+        if at:
+            lines[at[0]] = item
+        else:
+            first_node = next(i for i, line in enumerate(lines) if line.startswith("NodeName="))
+            lines.insert(first_node, item)
+    return "\n".join(lines) + "\n"
+
+
+def _with_partitions(text, partitions, nodes):
+    """slurm.conf `text` with `partitions` ({name: options}) in place of its partition lines: every node in
+    each, the first the default."""
+    lines = [line for line in text.splitlines() if not line.startswith("PartitionName=")]
+    names = ",".join(n.name for n in nodes)
+    for i, (name, options) in enumerate(partitions.items()):
+        head = f"PartitionName={name} Nodes={names} Default={'YES' if i == 0 else 'NO'}"
+        given = {o.split("=", 1)[0].lower() for o in options}
+        rest = [o for o in ("MaxTime=INFINITE", "State=UP") if o.split("=", 1)[0].lower() not in given]
+        lines.append(" ".join([head, *rest, *options]))
+    return "\n".join(lines) + "\n"
+
+
 class Slurm:
     """A login host and `nodes` compute nodes (1 to 3) of `cpus` CPUs each; see the module's docstring.
     `Slurm.unavailable()` says why a cluster cannot run here, or None."""
@@ -135,8 +226,10 @@ class Slurm:
     unavailable = staticmethod(unavailable)
     CRED_EXPIRE = CRED_EXPIRE  # seconds a requeued job waits before it may start again (chapter 17)
 
-    def __init__(self, nodes=2, *, cpus=2):
+    def __init__(self, nodes=2, *, cpus=2, settings=(), partitions=None):
         _check(nodes, cpus)
+        self.settings = _settings(settings)  # chapter 18: slurm.conf lines of the reader's, checked here
+        self.partitions = _partitions(partitions)
         self.cpus = cpus
         self.net = Hosts(nodes + 1, names=["login", *(f"node{i}" for i in range(1, nodes + 1))])
         self.login, *self.nodes = self.net.hosts
@@ -182,7 +275,8 @@ class Slurm:
         key = f / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        self.conf.write_text(slurm_conf(f, self.login, self.nodes, self.cpus))
+        text = slurm_conf(f, self.login, self.nodes, self.cpus)
+        self.conf.write_text(_with_partitions(_with_settings(text, self.settings), self.partitions, self.nodes))
         (f / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")  # skips probing /sys/fs/cgroup
 
     def _daemon(self, name, host, argv):
@@ -341,7 +435,8 @@ class Slurm:
                     cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
                 except OSError:
                     continue
-                program = os.path.basename(cmd.split(" ")[0]) if cmd else ""
+                # slurmstepd renames itself "slurmstepd: [JOB.STEP]": its first word ends with a colon
+                program = os.path.basename(cmd.split(" ")[0]).rstrip(":") if cmd else ""
                 if cmd and program not in ("slurmd", "slurmstepd", "unshare", "ip") and pattern in cmd:
                     found.append((node.name, int(pid), cmd))
         return found
@@ -349,6 +444,18 @@ class Slurm:
     def _live(self):
         if not self._started or self.net.closed:
             raise RuntimeError("this cluster is not running: use it inside its `with` block")
+
+    def reconfigure(self, settings, timeout=CLIENT_BOUND):
+        """Change slurm.conf's lines for `settings` (Key=Value strings, as the constructor's `settings=` takes,
+        checked the same way before anything changes) and have every daemon re-read it (`scontrol
+        reconfigure`, bounded), as an administrator would (chapter 18). RuntimeError with scontrol's answer
+        and the daemons' logs if they refuse it."""
+        settings = _settings(settings)
+        self._live()
+        self.conf.write_text(_with_settings(self.conf.read_text(), settings))
+        out = self.run(["scontrol", "reconfigure"], timeout=timeout)
+        if out.returncode != 0:
+            raise RuntimeError(f"scontrol reconfigure refused {list(settings)}: {out.stdout.strip()}\n{self.logs()}")
 
 
 __all__ = ["Slurm", "SlurmUnavailable", "HostsUnavailable", "unavailable", "slurm_conf"]
