@@ -11,18 +11,21 @@ cluster (one xdist group) and run three jobs in all; the cleanup tests each star
 """
 
 import os
+import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import still_found
 from lessonlib import ROOT
 from lessonlib.cluster.hosts import unavailable as hosts_unavailable
-from lessonlib.cluster.slurm import PROGRAMS, Slurm, unavailable
+from lessonlib.cluster.slurm import PROGRAMS, Slurm, gres_confs, slurm_conf, unavailable
 from lessonlib.dist import _tasks_on_node, from_slurm
 from lessonlib.processes.bounded import poll_until
 from test_hosts import NETNS_RUN, read_line
@@ -348,3 +351,50 @@ def test_an_interrupted_or_killed_owner_leaves_nothing(can_run_slurm, sig):
     finally:
         child.kill()  # its keeper then removes its cluster
         child.communicate(timeout=GONE_BOUND)
+
+
+# --------------------------------------------------------------------------- fake GPUs (gpus=N)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("gpus", [-1, 9, True, "2", 2.0])
+def test_bad_gpus_are_refused_before_anything_is_made(gpus):
+    error = refusal(dict(gpus=gpus))
+    assert isinstance(error, ValueError), f"Slurm(gpus={gpus!r}) was not refused"
+    says = "gpus (fake GPUs per node, as Slurm's GRES) must be an int from 0 to 8"
+    assert says in str(error) and f"got {gpus!r}" in str(error), str(error)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("gpus, files", [(2, "nvidia[0-1]"), (1, "nvidia0")])
+def test_gres_confs_give_every_node_its_gpus_and_name_their_files(gpus, files):
+    login = SimpleNamespace(name="login", address="198.18.0.1")
+    nodes = [SimpleNamespace(name=f"node{i}", address=f"198.18.0.{i + 1}") for i in (1, 2)]
+    text = slurm_conf("/f", login, nodes, 2)
+    with_gpus, gres = gres_confs(text, "/f", gpus)
+    lines = with_gpus.splitlines()
+    node_lines = [i for i, line in enumerate(lines) if line.startswith("NodeName=")]
+    assert lines.count("GresTypes=gpu") == 1 and lines.index("GresTypes=gpu") == node_lines[0] - 1, with_gpus
+    assert all(lines[i].endswith(f" Gres=gpu:{gpus} State=UNKNOWN") for i in node_lines), with_gpus
+    unchanged = [line.replace(f" Gres=gpu:{gpus}", "") for line in lines if line != "GresTypes=gpu"]
+    assert unchanged == text.splitlines(), "gres_confs changed another line"
+    assert gres == f"Name=gpu File=/f/dev/{files}\n"
+
+
+def test_a_cluster_with_gpus_gives_each_task_its_own_and_leaves_nothing(can_run_slurm):
+    """Two fake GPUs on one node, as GRES from the start: the device files exist, `--gpus-per-task=1` gives
+    two tasks one each, a third GPU is refused, and closing removes the files with everything else."""
+    with Slurm(nodes=1, gpus=2) as cluster:
+        token, folder = cluster.net.token, cluster.folder
+        devices = sorted((folder / "dev").iterdir())
+        assert [d.name for d in devices] == ["nvidia0", "nvidia1"]
+        assert all(stat.S_ISCHR(d.stat().st_mode) for d in devices), devices
+        sinfo = cluster.run(["sinfo", "-h", "-N", "-o", "%N %G"], timeout=10)
+        assert sinfo.stdout.split() == ["node1", "gpu:2"], sinfo.stdout
+        show = 'echo "$SLURM_LOCALID $CUDA_VISIBLE_DEVICES"'
+        out = cluster.run(["srun", "-n2", "--gpus-per-task=1", "--label", "bash", "-c", show], timeout=30)
+        assert out.returncode == 0, out.stdout
+        assert sorted(re.findall(r"^\d: (\d) (\S+)$", out.stdout, re.M)) == [("0", "0"), ("1", "1")], out.stdout
+        too_many = cluster.run(["srun", "--gpus=3", "true"], timeout=30)
+        assert too_many.returncode != 0 and "Requested node configuration is not available" in too_many.stdout
+    assert wait_gone(token, folder) == []

@@ -24,6 +24,13 @@ Settings a container's network namespaces need (each found by an error without i
 - munged's socket folder readable by all (mode 755); one munged serves every host, since a Unix socket
   is found through the filesystem, which the namespaces share.
 
+GPUs, without any (`Slurm(nodes, gpus=N)`): each node lists N GPUs as a generic resource (GRES:
+`GresTypes=gpu`, `Gres=gpu:N` on its line, gres.conf `Name=gpu File=...`), and the files gres.conf names
+are character devices made with mknod in the folder's dev/ (nvidia0, nvidia1, ...), with /dev/null's
+numbers, so that nothing that opens one reaches hardware. Slurm only counts them and sets each task's
+CUDA_VISIBLE_DEVICES; nothing isolates them (no cgroups: TaskPlugin=task/none). They exist from the start:
+slurmd reads gres.conf when it starts, and `scontrol reconfigure` refuses a change of GresTypes.
+
 Cleanup. The folder's name and every daemon are in the Hosts' care before they exist: closing (normally,
 by an exception, by Ctrl-C) cancels every job, stops the daemons and removes everything; when this process
 dies without running any code (a notebook kernel killed), the Hosts' keeper kills every process in the
@@ -38,6 +45,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -50,6 +58,7 @@ from .hosts import unavailable as hosts_unavailable
 
 MIN_NODES, MAX_NODES = 1, 3  # plus the login host: Hosts makes 2 to 4
 MIN_CPUS, MAX_CPUS = 1, 16
+MIN_GPUS, MAX_GPUS = 0, 8  # fake GPUs per node (GRES); 0: none
 PROGRAMS = ("slurmctld", "slurmd", "munged", "srun", "sbatch", "scontrol", "scancel", "sinfo", "squeue")
 CONTROLLER_PORT, NODE_PORT = 6817, 6818  # Slurm's defaults: free in fresh namespaces, which nothing else shares
 CRED_EXPIRE = 10  # seconds; Slurm's default is 120 (see slurm_conf)
@@ -219,6 +228,33 @@ def _with_partitions(text, partitions, nodes):
     return "\n".join(lines) + "\n"
 
 
+def _check_gpus(gpus):
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not MIN_GPUS <= gpus <= MAX_GPUS:
+        raise ValueError(
+            f"gpus (fake GPUs per node, as Slurm's GRES) must be an int from {MIN_GPUS} to {MAX_GPUS}; got {gpus!r}"
+        )
+
+
+def gpu_files(folder, gpus):
+    """The device files of a node's `gpus` fake GPUs: folder/dev/nvidia0, nvidia1, ... (every node names the
+    same files, as every machine has its own /dev/nvidia0)."""
+    return [Path(folder) / "dev" / f"nvidia{i}" for i in range(gpus)]
+
+
+def gres_confs(slurm_text, folder, gpus):
+    """slurm.conf's text with `gpus` GPUs on every node (GresTypes, Gres=gpu:N), and gres.conf's text."""
+    files = gpu_files(folder, gpus)
+    names = str(files[0]) if gpus == 1 else f"{files[0].parent}/nvidia[0-{gpus - 1}]"
+    lines = []
+    for line in slurm_text.splitlines():
+        if line.startswith("NodeName="):
+            if not lines or not lines[-1].startswith(("NodeName=", "GresTypes=")):
+                lines.append("GresTypes=gpu")
+            line = line.replace(" State=", f" Gres=gpu:{gpus} State=")
+        lines.append(line)
+    return "\n".join(lines) + "\n", f"Name=gpu File={names}\n"
+
+
 class Slurm:
     """A login host and `nodes` compute nodes (1 to 3) of `cpus` CPUs each; see the module's docstring.
     `Slurm.unavailable()` says why a cluster cannot run here, or None."""
@@ -226,10 +262,12 @@ class Slurm:
     unavailable = staticmethod(unavailable)
     CRED_EXPIRE = CRED_EXPIRE  # seconds a requeued job waits before it may start again (chapter 17)
 
-    def __init__(self, nodes=2, *, cpus=2, settings=(), partitions=None):
+    def __init__(self, nodes=2, *, cpus=2, settings=(), partitions=None, gpus=0):
         _check(nodes, cpus)
+        _check_gpus(gpus)
         self.settings = _settings(settings)  # chapter 18: slurm.conf lines of the reader's, checked here
         self.partitions = _partitions(partitions)
+        self.gpus = gpus
         self.cpus = cpus
         self.net = Hosts(nodes + 1, names=["login", *(f"node{i}" for i in range(1, nodes + 1))])
         self.login, *self.nodes = self.net.hosts
@@ -278,6 +316,8 @@ class Slurm:
         text = slurm_conf(f, self.login, self.nodes, self.cpus)
         self.conf.write_text(_with_partitions(_with_settings(text, self.settings), self.partitions, self.nodes))
         (f / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")  # skips probing /sys/fs/cgroup
+        if self.gpus:
+            self._make_gpus()
 
     def _daemon(self, name, host, argv):
         with open(self.folder / "log" / f"{name}.out", "wb") as log:  # the daemon keeps its own copy open
@@ -457,5 +497,18 @@ class Slurm:
         if out.returncode != 0:
             raise RuntimeError(f"scontrol reconfigure refused {list(settings)}: {out.stdout.strip()}\n{self.logs()}")
 
+    # --- fake GPUs (gpus=N) -----------------------------------------------------------------------------
 
-__all__ = ["Slurm", "SlurmUnavailable", "HostsUnavailable", "unavailable", "slurm_conf"]
+    def _make_gpus(self):
+        """Each node's GPUs as GRES: the device files (character devices with /dev/null's numbers, in the
+        cluster's folder, which the keeper removes), Gres=gpu:N on every node line, and gres.conf."""
+        files = gpu_files(self.folder, self.gpus)
+        files[0].parent.mkdir(exist_ok=True)
+        for path in files:
+            os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+        text, gres = gres_confs(self.conf.read_text(), self.folder, self.gpus)
+        self.conf.write_text(text)
+        (self.folder / "gres.conf").write_text(gres)
+
+
+__all__ = ["Slurm", "SlurmUnavailable", "HostsUnavailable", "unavailable", "slurm_conf", "gres_confs"]
