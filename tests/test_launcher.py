@@ -712,3 +712,30 @@ def test_run_bounded_types_its_input_and_a_command_that_never_reads_it_still_end
     assert done.returncode == 0 and done.output.split() == ["cba", "xyz"], done
     ignores = run_bounded([sys.executable, "-c", "import time; time.sleep(1)"], 60, input="x" * 200_000)
     assert ignores.returncode == 0 and not ignores.timed_out, ignores
+
+
+def test_a_sigterm_while_the_rank_records_its_error_waits_for_the_record(tmp_path):
+    """torchrun's SIGTERM can come while a rank whose collective failed writes its own traceback (a race
+    seen in CI). Here the exception's message sends it, while the rank formats its traceback: the rank's
+    error and traceback are still recorded, and then SIGTERM ends it, as it would have."""
+    script = tmp_path / "term_while_recording.py"
+    script.write_text(
+        "import os, signal\n"
+        "class Stopped(Exception):\n"
+        "    def __str__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)  # as torchrun would, while the traceback is formatted\n"
+        "        return 'the collective failed'\n"
+        "def where_it_failed():\n"
+        "    raise Stopped()\n"
+        "where_it_failed()\n"
+    )
+    run = lessonlib.launch(script, nproc=1, timeout=60, show="none")
+    rank = run.ranks[0]
+    text = run.describe_failure()
+    assert rank.error == "Stopped: the collective failed", text
+    assert "in where_it_failed" in rank.traceback, text
+    assert re.search(
+        r"^  rank 0 \(root cause\): Stopped: the collective failed; at .*in where_it_failed", text, re.M
+    ), text
+    # The record came first; the SIGTERM was then delivered, not lost: torchrun saw the rank end by it.
+    assert "exitcode  : -15" in run.launcher_output or "Signal 15" in run.launcher_output, run.launcher_output

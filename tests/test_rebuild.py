@@ -4,6 +4,7 @@ small book that has the course's execution settings.
 """
 
 import json
+import os
 import re
 import sys
 import textwrap
@@ -22,7 +23,9 @@ def _build(book, timeout=240):
     done = run_bounded([JUPYTER_BOOK, "build", book, "-W", "-n"], timeout, cwd=book.parent)
     if done.timed_out:
         pytest.fail(f"jupyter-book build did not finish in {timeout} s:\n{done.output[-4000:]}")
-    assert done.returncode == 0, done.output[-4000:]
+    # The executors' lines about kernels come first: a kernel's end is told early in a long log.
+    said = "\n".join(line for line in done.output.splitlines() if "kernel" in line.lower() and len(line) < 400)
+    assert done.returncode == 0, f"{said[-3000:]}\n[...]\n{done.output[-4000:]}"
     return done.output
 
 
@@ -223,3 +226,46 @@ def test_a_cold_build_knows_every_chapter_from_costs():
     known = costs()
     assert set(known) == notebooks, f"missing: {notebooks - set(known)}; not in the book: {set(known) - notebooks}"
     assert all(c["seconds"] > 0 and c["cpu_seconds"] > 0 for c in known.values()), known
+
+
+@pytest.mark.timeout(180)
+def test_a_kernel_that_dies_before_its_first_cell_is_started_again(tmp_path):
+    """The executor (`python -m lessonlib.book._execute_notebook`, what the build runs per chapter) starts a
+    kernel again when it dies before its first cell, up to KERNEL_STARTS in all. The kernel here is a spec
+    whose command exits at once on its first two starts, and is ipykernel on the third: the chapter runs,
+    each retry is said on stderr. A kernel that dies on every start fails the chapter, after exactly
+    KERNEL_STARTS starts."""
+    from lessonlib.book._execute_notebook import KERNEL_STARTS
+
+    starts = tmp_path / "starts"
+    spec = tmp_path / "kernels" / "kernels" / "dies-first"
+    spec.mkdir(parents=True)
+    (spec / "start.py").write_text(
+        "import os, sys\n"
+        f"starts = {str(starts)!r}\n"
+        "with open(starts, 'a') as f: f.write('start\\n')\n"
+        "if len(open(starts).read().split()) <= int(os.environ['DIES_FIRST']): sys.exit(3)\n"
+        "os.execv(sys.executable, [sys.executable, '-m', 'ipykernel_launcher', *sys.argv[1:]])\n"
+    )
+    argv = [sys.executable, str(spec / "start.py"), "-f", "{connection_file}"]
+    (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "dies first", "language": "python"}))
+    kernel = {"name": "dies-first", "display_name": "dies first", "language": "python"}
+    notebook, out = tmp_path / "ch.ipynb", tmp_path / "out.ipynb"
+    _notebook(notebook, kernel, "# ch", "print(6 * 7)")
+
+    def execute(dies_first):
+        starts.write_text("")
+        env = {**os.environ, "JUPYTER_PATH": str(tmp_path / "kernels"), "DIES_FIRST": str(dies_first)}
+        cmd = [sys.executable, "-m", "lessonlib.book._execute_notebook", notebook, out, "60"]
+        done = run_bounded(cmd, 120, cwd=ROOT, env=env)
+        assert not done.timed_out, done.output[-3000:]
+        return done, len(starts.read_text().split())
+
+    done, started = execute(KERNEL_STARTS - 1)
+    assert done.returncode == 0, done.output[-3000:]
+    assert started == KERNEL_STARTS, done.output[-3000:]
+    assert done.output.count("the kernel died before its first cell") == KERNEL_STARTS - 1, done.output[-3000:]
+    assert "42" in out.read_text()
+    done, started = execute(KERNEL_STARTS)
+    assert done.returncode == 1 and started == KERNEL_STARTS, done.output[-3000:]
+    assert "Kernel died before replying to kernel_info" in json.loads(done.output.strip().splitlines()[-1])["error"]

@@ -11,7 +11,7 @@ The last line on stdout is JSON: `{"seconds": S, "slowest": [[CELL, S], ...]}` (
 cells, from the per-cell times nbclient records) after the executed notebook was written to OUT (exit
 status 0), or `{"cell": I, "source": ..., "error": "Name: message", "traceback": ...}` for the cell
 that failed (its index counts markdown cells too; exit status 1). A kernel that dies before its first
-cell is started once more, and says so on stderr.
+cell is started again, at most twice more, a second apart, and each start says so on stderr.
 
 When the build records what it runs (LESSONLIB_LAUNCH_RECORD, lessonlib.book.launchrecord), the kernel
 is told the chapter's name, so each of its launches is recorded with it, and the record gets a last line
@@ -22,16 +22,21 @@ import json
 import os
 import signal
 import sys
+import time
+import traceback
 from datetime import datetime
 from pathlib import Path
 
 import nbformat
-from jupyter_cache.executors.utils import single_nb_execution
+from jupyter_cache.executors.utils import ExecutionResult, single_nb_execution
 
 from lessonlib.book import launchrecord
 from lessonlib.processes.lifeline import die_with_parent
 
-KERNEL_STARTS = 2  # a kernel that dies before its first cell is started once more (died_before_its_first_cell)
+# A kernel that dies before its first cell is started again (died_before_its_first_cell). One retry was
+# not always enough on a loaded 2-core CI machine: a rebuild test lost a kernel twice running.
+KERNEL_STARTS = 3
+RESTART_PAUSE = 1.0  # seconds between starts
 
 
 def execute(source, out, timeout):
@@ -39,14 +44,13 @@ def execute(source, out, timeout):
     source = Path(source).resolve()
     for start in range(1, KERNEL_STARTS + 1):
         nb = nbformat.read(source, as_version=4)
-        result = single_nb_execution(
-            nb, cwd=str(source.parent), timeout=timeout, allow_errors=False, record_timing=True, **kernel_choice(nb)
-        )
+        result = execute_once(nb, source, timeout)
         if not died_before_its_first_cell(result, nb) or start == KERNEL_STARTS:
             break
         print(
             f"{source.name}: the kernel died before its first cell ({result.err}); starting it again", file=sys.stderr
         )
+        time.sleep(RESTART_PAUSE)
     if result.err is not None:
         # nbclient stops at the failing cell: the last code cell with an error output. Its own error
         # (name and value, as the reader would see it) is the report; the whole traceback comes after.
@@ -65,6 +69,18 @@ def execute(source, out, timeout):
         cell.get("metadata", {}).pop("execution", None)
     nbformat.write(nb, out)
     return {"seconds": round(result.time, 1), "slowest": slowest}
+
+
+def execute_once(nb, source, timeout):
+    """single_nb_execution's ExecutionResult. It returns a cell's error or timeout; a kernel that died
+    (nbclient's RuntimeError "Kernel died before replying to kernel_info", or DeadKernelError, one of
+    its kind) it raises: that comes back as the result's error too."""
+    try:
+        return single_nb_execution(
+            nb, cwd=str(source.parent), timeout=timeout, allow_errors=False, record_timing=True, **kernel_choice(nb)
+        )
+    except RuntimeError as err:
+        return ExecutionResult(nb, str(source.parent), 0.0, err, traceback.format_exc())
 
 
 def died_before_its_first_cell(result, nb):
@@ -115,7 +131,11 @@ def main(argv):
     report = execute(argv[0], argv[1], int(argv[2]))
     launchrecord.record_chapter("seconds" in report)
     print(json.dumps(report), flush=True)
-    sys.exit(0 if "seconds" in report else 1)
+    sys.stderr.flush()
+    # Not sys.exit: after a kernel that died at its start, nbclient's atexit cleanup fails ("assert
+    # self.km is not None") and would print after the report, which must be the last line. Every kernel
+    # this process started has been shut down by now, and the build kills what might remain.
+    os._exit(0 if "seconds" in report else 1)
 
 
 if __name__ == "__main__":

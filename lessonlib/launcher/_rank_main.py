@@ -8,8 +8,8 @@ worker starts here and then runs SCRIPT exactly as `python SCRIPT ARGS...` would
 - makes SIGUSR1 print every thread's Python stack (faulthandler), so a hung rank can say where it
   hangs before the launcher kills it; SIGTERM (torchrun stopping the other ranks after one failed)
   prints the stack too and then terminates as usual, while the script runs (once it has ended, the
-  rank is only on its way out: a SIGTERM then just terminates it); a hard crash (segfault, abort) prints
-  its stack as well;
+  rank is only on its way out: a SIGTERM then just terminates it, though not before the exit record
+  below is written); a hard crash (segfault, abort) prints its stack as well;
 - records how the rank ended (exit code, exception, traceback, time, its open-file limit) in a small
   JSON file, which is how `LaunchError` can name the first rank that failed rather than the last one to
   notice. One file descriptor is held back from the start and given back just before that record is
@@ -50,22 +50,51 @@ def _script_traceback(exc, script):
     return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
 
 
+class _DeferredSigterm:
+    """SIGTERM held back while the rank writes how it ended. A rank whose collective failed because a peer
+    died (gloo's "Connection closed by peer") is often still writing its own traceback when torchrun's
+    SIGTERM comes: terminated there, it would leave neither its error nor where it was. The signal is
+    noted instead (a Python handler, so whichever thread the kernel hands it to), and sent again once the
+    record is written: the rank then ends by SIGTERM as it would have, its exit record already there."""
+
+    def __init__(self):
+        self.came = False
+
+    def hold(self):
+        signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum, frame):
+        self.came = True
+
+    def release(self):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self.came:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+_SIGTERM = _DeferredSigterm()
+
+
 def _write_exit(run_dir, rank, record, spare):
-    """The exit record, with the rank's open-file limit, after giving back the file descriptor held for it."""
+    """The exit record, with the rank's open-file limit, after giving back the file descriptor held for it;
+    then a SIGTERM held back meanwhile ends the rank."""
     os.close(spare)
     record.update(end=time.time(), nofile=list(resource.getrlimit(resource.RLIMIT_NOFILE)))
     runfolder.write_exit(run_dir, rank, record)
+    _SIGTERM.release()
 
 
 def _run_script(script):
     """Run the script as `python SCRIPT` would. However it ends, a SIGTERM from then on (torchrun stopping
-    the ranks after another failed) finds the rank on its way out (atexit functions, the interpreter's
-    teardown), not where the script was: it terminates the rank without a stack. A hang there still
-    prints one when the launcher asks (SIGUSR1)."""
+    the ranks after another failed) finds the rank on its way out, not where the script was: it prints no
+    stack, waits until the exit record is written (_DeferredSigterm), then terminates the rank. A hang
+    after that (atexit functions, the interpreter's teardown) still prints a stack when the launcher asks
+    (SIGUSR1)."""
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
-        faulthandler.unregister(signal.SIGTERM)
+        faulthandler.unregister(signal.SIGTERM)  # restores SIG_DFL; held back from the next instruction on
+        _SIGTERM.hold()
 
 
 def main():
