@@ -118,3 +118,21 @@ def test_a_forked_ranks_exit_status_reaches_torchrun_as_a_fresh_ones(tmp_path, m
         codes[fresh] = (run.ranks[1].exitcode, run.ranks[0].exitcode, run.ranks[1].stderr.strip()[-40:])
     assert codes[False] == codes[True], codes
     assert codes[False][0] == expected and codes[False][1] == 0
+
+
+def test_a_forked_ranks_first_cuda_call_fails_as_a_fresh_ones(tmp_path, monkeypatch):
+    """On this machine (no NVIDIA device: ranks are forked), a rank asking for a GPU is told what a fresh
+    process is told (the CUDA build's "Found no NVIDIA driver", a CPU build's "not compiled with CUDA"),
+    not "Cannot re-initialize CUDA in forked subprocess": torchrun's agent asked CUDA nothing before the
+    fork (torchpatches.keep_forks_cuda_free)."""
+    script = tmp_path / "wants_a_gpu.py"
+    script.write_text("import torch\ntorch.cuda.set_device(0)\n")
+    errors = {}
+    for fresh in (False, True):
+        if fresh:
+            monkeypatch.setenv(forkrank.FRESH_VAR, "1")
+        run = lessonlib.launch(script, nproc=2, timeout=120, show="none")
+        assert not run.ok
+        errors[fresh] = {r.error for r in run.ranks}
+    assert errors[False] == errors[True], errors
+    assert not any("re-initialize" in e for e in errors[False]), errors

@@ -1,6 +1,6 @@
 """Every change lessonlib makes inside torch, in one place, each behind a guard (chapter 1, chapter 16).
 
-All five run in the torchrun agent that `lessonlib.launch` starts (lessonlib.launcher._agent_main), never in a
+All six run in the torchrun agent that `lessonlib.launch` starts (lessonlib.launcher._agent_main), never in a
 lesson's own process (a forked rank inherits the agent's), and each replaces one name where torch looks it up:
 
 - `fork_workers`: torch.distributed.elastic's `SubprocessHandler._popen`, the one step of torchrun that
@@ -32,13 +32,22 @@ lesson's own process (a forked rank inherits the agent's), and each replaces one
   it at exit, also in a rank that imported no torch._dynamo itself; a rank stopped by torchrun meanwhile
   printed a stack of `tabulate` frames. The replacement, registered in its place, runs torch's own only
   when something compiled (`compilation_time_metrics` not empty): the one case whose table has a row.
+- `keep_forks_cuda_free`: torchrun's `LaunchConfig.__post_init__`, which asks
+  `torch.accelerator.is_available()` to decide on NUMA binding. On a CUDA build of torch that asks the
+  CUDA runtime, which marks the process: every process forked from it afterwards fails its first CUDA
+  call with "Cannot re-initialize CUDA in forked subprocess". Ranks are forked only on a machine without
+  NVIDIA devices (forkrank.wanted), where a script that wants a GPU must be told what a fresh process is
+  told ("Found no NVIDIA driver on your system"). While it runs, the replacement answers False for
+  `torch.accelerator.is_available`, the answer the CUDA runtime would give on such a machine; torch's own
+  function is back before any rank starts.
 
 The guards. Each patch was written for torch WRITTEN_FOR and relies on a shape of torch's code: a
 function's parameters, an attribute's name, TCPStore's positional parameters (it takes them
 positionally, and the subclass names them). Before it patches, each checks that shape in the installed
 torch (`*_problem`, which say what changed, or None); the shape decides, not the version string, so a
 later torch that keeps it gets the patch. When it changed:
-- `fork_workers`, `quicken_rendezvous`, `name_the_script` and `skip_empty_compile_times` warn, naming both
+- `fork_workers`, `quicken_rendezvous`, `name_the_script`, `skip_empty_compile_times` and
+  `keep_forks_cuda_free` warn, naming both
   torch versions, and leave torch as it is: the ranks start as fresh processes, the rendezvous names its
   events the slow way, torchrun's report names lessonlib.launcher._rank_main, forked ranks tabulate empty
   compile times at exit; the run is the same.
@@ -369,4 +378,50 @@ def skip_empty_compile_times():
     atexit.register(dump_compile_times)
     _exit_functions.append((torchs, dump_compile_times))
     _replace(utils, "dump_compile_times", dump_compile_times)
+    return True
+
+
+# --------------------------------------------------------------------------- no CUDA call in the agent that forks
+
+
+def launch_config_problem(api):
+    """What differs from 2.14.1's LaunchConfig that keep_forks_cuda_free relies on, or None: its
+    `__post_init__` calls `torch.accelerator.is_available()` (the one CUDA call torchrun makes before
+    starting the workers)."""
+    config = getattr(api, "LaunchConfig", None)
+    post_init = _originals.get((config, "__post_init__"), getattr(config, "__post_init__", None))
+    if post_init is None:
+        return "torch.distributed.launcher.api has no LaunchConfig.__post_init__"
+    try:
+        source = inspect.getsource(post_init)
+    except (OSError, TypeError):
+        return "LaunchConfig.__post_init__'s source cannot be read"
+    if "torch.accelerator.is_available()" not in source:
+        return "LaunchConfig.__post_init__ no longer asks torch.accelerator.is_available()"
+    return None
+
+
+def keep_forks_cuda_free():
+    """Have LaunchConfig.__post_init__ see `torch.accelerator.is_available()` answer False without asking
+    the CUDA runtime, and return True; or warn and return False when the guard finds torch changed. Only
+    for an agent that forks its ranks (no NVIDIA devices: lessonlib.launcher.fastpath.forkrank)."""
+    import torch
+    from torch.distributed.launcher import api
+
+    if problem := launch_config_problem(api):
+        warnings.warn(changed("LaunchConfig.__post_init__", problem), stacklevel=2)
+        return False
+    config = api.LaunchConfig
+    original = _originals.get((config, "__post_init__"), config.__post_init__)
+
+    def __post_init__(self):
+        accelerator = torch.accelerator
+        asks = accelerator.is_available
+        accelerator.is_available = lambda: False  # no NVIDIA device here: what CUDA would answer
+        try:
+            original(self)
+        finally:
+            accelerator.is_available = asks
+
+    _replace(config, "__post_init__", __post_init__)
     return True

@@ -88,6 +88,7 @@ def install():
     torchpatches.skip_empty_compile_times()
     _saved = snapshot()
     torchpatches.fork_workers(RANK_MODULE, ForkedRank)
+    torchpatches.keep_forks_cuda_free()  # a forked rank's first CUDA call must fail as a fresh one's does
     # Every object so far moves out of the collector's reach: a child's collections then never write to
     # (and so copy) the pages the agent's objects live on.
     gc.freeze()
