@@ -188,10 +188,12 @@ def _root_name(node):
 
 def test_no_other_module_of_lessonlib_changes_torch():
     """Assigning to (or setattr on) anything imported from torch happens in torchpatches.py alone, where each
-    change has its guard. (A rank's own torch calls, such as torch.manual_seed, are not changes.)"""
+    change has its guard. (A rank's own torch calls, such as torch.manual_seed, are not changes.) The one
+    other place is the check's probe, which instruments a rank only under `python -m lessonlib check`, each
+    wrapper calling torch's own function unchanged, and skips an instrument whose name torch no longer has."""
     found = []
     for path in sorted((ROOT / "lessonlib").rglob("*.py")):
-        if path.name == "torchpatches.py":
+        if path.name == "torchpatches.py" or path.relative_to(ROOT).as_posix() == "lessonlib/check/probe.py":
             continue
         tree = ast.parse(path.read_text())
         torch_names = _torch_names(tree)
@@ -216,6 +218,7 @@ def test_each_guard_is_documented_with_the_version_it_was_written_for():
         "bind_store_servers",
         "name_the_script",
         "skip_empty_compile_times",
+        "keep_forks_cuda_free",
     ):
         assert f"`{name}`" in doc, name
 
@@ -345,4 +348,40 @@ def test_the_compile_times_guard_names_what_changed():
     )
     assert shape(module(**{**names, "dump_compile_times": unregistered})) == (
         "dump_compile_times is no longer registered with atexit where it is defined"
+    )
+
+
+def test_launch_config_asks_no_cuda_while_patched_and_torch_gets_its_function_back(patched, monkeypatch):
+    """keep_forks_cuda_free: while LaunchConfig.__post_init__ runs, torch.accelerator.is_available answers
+    False without being called; afterwards (and after restore) torch's own function is there again."""
+    import torch
+    from torch.distributed.launcher import api
+
+    asked = []
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: asked.append(1) or True)
+    own = torch.accelerator.is_available
+    assert patched.launch_config_problem(api) is None
+    assert patched.keep_forks_cuda_free()
+    config = api.LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2)
+    assert asked == [] and config.numa_options is None
+    assert torch.accelerator.is_available is own
+    patched.restore()
+    api.LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2)
+    assert asked == [1], "torch's own __post_init__ is back, and asks"
+
+
+def test_the_launch_config_guard_names_what_changed():
+    class Asks:
+        def __post_init__(self):
+            torch.accelerator.is_available()  # noqa: F821 - read, never run
+
+    class Quiet:
+        def __post_init__(self):
+            pass
+
+    shape = torchpatches.launch_config_problem
+    assert shape(module(LaunchConfig=Asks)) is None
+    assert shape(module()) == "torch.distributed.launcher.api has no LaunchConfig.__post_init__"
+    assert shape(module(LaunchConfig=Quiet)) == (
+        "LaunchConfig.__post_init__ no longer asks torch.accelerator.is_available()"
     )
