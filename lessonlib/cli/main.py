@@ -182,6 +182,20 @@ def run_lesson(script, nproc=None, timeout=DEFAULT_TIMEOUT, args=(), columns=Fal
 # --------------------------------------------------------------------------- command line
 
 
+CHECK_EPILOG = """\
+Everything after `--` is the script and its own options, as torchrun would take them.
+
+examples:
+  python -m lessonlib check -- lessons/train_ddp.py --epochs 2
+  python -m lessonlib check -n 4 --quiet -- my_train.py --lr 0.1
+
+Each finding is one line: file:line: error|warning: what was seen [the chapter section that shows it].
+The last line before the verdict says what the run was: ranks, backend, devices, batch, lr.
+
+exit status: 0 the run succeeded and no finding is an error; 1 a finding is an error, or the script
+failed; 124 timed out; 130 interrupted (Ctrl-C); 2 bad input (nothing was started)."""
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="python -m lessonlib",
@@ -190,7 +204,7 @@ def build_parser():
         "  python -m lessonlib run --help",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,list}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,list,check}")
     run = sub.add_parser(
         "run",
         help="run a lesson under torchrun, each rank's lines shown live with a [rank N] prefix",
@@ -229,13 +243,73 @@ def build_parser():
         help="show every frame of each traceback and stack (by default the frames of lessonlib, torch and "
         "Python below the lesson's own are folded into one line)",
     )
+    check = sub.add_parser(
+        "check",
+        help="run your own DDP script with the course's checks (replicas, samplers, checkpoints, collectives)",
+        description="Run a DDP script as torchrun would (2 ranks on CPU with gloo by default), unchanged,\n"
+        "with the course's checks loaded into every rank; then one line per finding, with the chapter\n"
+        "section that shows that mistake running.",
+        usage="python -m lessonlib check [-n N] [--timeout SECONDS] [--stall SECONDS] [--quiet] -- SCRIPT [ARGS ...]",
+        epilog=CHECK_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    check.add_argument(
+        "-n",
+        "--nproc",
+        type=_nproc,
+        default=None,
+        metavar="N",
+        help=f"ranks, 1 to {MAX_NPROC} (default: the GPUs when there are two or more, else 2)",
+    )
+    check.add_argument(
+        "--timeout",
+        type=_timeout,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"stop the run after this many seconds (default {DEFAULT_TIMEOUT:g}, at most {MAX_TIMEOUT:g})",
+    )
+    check.add_argument(
+        "--stall",
+        type=_stall,
+        default=30.0,
+        metavar="SECONDS",
+        help="a collective that waits longer than this is a hang: the run stops and says who never came (default 30)",
+    )
+    check.add_argument("--quiet", action="store_true", help="print the findings only, not the ranks' output")
     sub.add_parser(
         "list",
         help="list every lesson by chapter, with the command that runs it",
         description="List every lesson (lessons/NN_*.py) by chapter, with the command on the first "
         "line of its docstring and what it shows.",
     )
-    return parser, run
+    return parser, run, check
+
+
+def _stall(text):
+    try:
+        t = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--stall must be a number of seconds, got {text!r}") from None
+    if not 1 <= t <= MAX_TIMEOUT:
+        raise argparse.ArgumentTypeError(f"--stall must be from 1 to {MAX_TIMEOUT:g} seconds, got {text}")
+    return t
+
+
+def check_command(args, rest, parser):
+    """`check`: the script is the first word after `--`; returns the exit status."""
+    if not rest:
+        raise UsageError("no script: give it after `--`, e.g. python -m lessonlib check -- train.py --epochs 1")
+    script, script_args = rest[0], rest[1:]
+    path = find_script(script)
+    if path is None:
+        where = " or ".join(str(c) for c in script_candidates(script))
+        raise UsageError(f"{script}: no such file ({where})")
+    if path.suffix != ".py":
+        raise UsageError(f"{script}: not a Python script (SCRIPT is the .py file torchrun would run)")
+    from ..check.command import check
+
+    status, _, _ = check(path, script_args, args.nproc, args.timeout, args.stall, args.quiet)
+    return status
 
 
 def main(argv=None):
@@ -245,11 +319,22 @@ def main(argv=None):
         # Everything after the first `--` belongs to the lesson; argparse never sees it.
         split = argv.index("--") if "--" in argv else len(argv)
         ours, lesson_args = argv[:split], argv[split + 1 :]
-        parser, run_parser = build_parser()
+        parser, run_parser, check_parser = build_parser()
         args, unknown = parser.parse_known_args(ours)
         if args.command is None:
             parser.print_help(sys.stderr)
             return EXIT_USAGE
+        if args.command == "check":
+            if unknown:
+                check_parser.error(
+                    f"unrecognized argument(s) {' '.join(unknown)}: the script and its options go after `--`"
+                )
+            try:
+                return check_command(args, lesson_args, check_parser)
+            except UsageError as e:
+                check_parser.print_usage(sys.stderr)
+                sys.stderr.write(f"{check_parser.prog}: error: {e}\n")
+                return EXIT_USAGE
         if unknown:
             if args.command == "run":
                 run_parser.error(
@@ -276,6 +361,7 @@ def main(argv=None):
         # The launcher has already stopped and killed every process of the run before this arrives.
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not print a traceback now
         sys.stdout.flush()
-        sys.stderr.write("\nlessonlib run: interrupted (Ctrl-C); every process of the run was stopped\n")
+        command = "check" if "check" in argv[:1] else "run"
+        sys.stderr.write(f"\nlessonlib {command}: interrupted (Ctrl-C); every process of the run was stopped\n")
         sys.stderr.flush()
         return EXIT_INTERRUPTED

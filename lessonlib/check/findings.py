@@ -1,0 +1,440 @@
+"""What the ranks' records say about a run: the findings of `python -m lessonlib check` (lessonlib.check).
+
+`findings(records, result)` compares what every rank recorded (lessonlib.check.probe) and returns the
+findings, errors first. Each says what was seen, where in the reader's code, and the chapter section that
+shows that mistake running (SECTIONS; a test checks that every section named here is a heading of that
+chapter). Standard library only: no torch here.
+"""
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+
+# finding -> (chapter notebook, the section's heading as the chapter writes it)
+SECTIONS = {
+    "replicas-start": ("07_ddp_internals", "Construction: one broadcast, in place"),
+    "replicas-step": ("12_debugging", "Slow, or silently wrong: a straggler, and replicas that drift apart"),
+    "no-ddp": ("05_dp_vs_ddp", "DDP built by hand"),
+    "set-epoch": ("03_samplers", "`set_epoch`: forget it and every epoch is the same"),
+    "no-sampler": ("03_samplers", "The recipe, and three real runs"),
+    "overlap": ("03_samplers", "A hand-written partitioner, measured"),
+    "eval-overlap": ("03_samplers", "Evaluation: padding biases the metric, and uneven shards need care"),
+    "same-file": ("10_checkpointing", "Writing: the module's state dict, from rank 0"),
+    "module-prefix": ("07_ddp_internals", "`model.module` and checkpoints"),
+    "map-location": ("10_checkpointing", "`map_location`"),
+    "never-joined": ("12_debugging", "A rank that skips a collective"),
+    "mismatch": ("12_debugging", "Collectives that do not match"),
+    "run": ("06_accumulation_and_lr", "Batch size and learning rate"),
+    "needs-gpu": ("11_end_to_end", "Testing your own DDP code without GPUs"),
+}
+
+# Collectives whose tensor must have the same shape and dtype on every rank of the group.
+SAME_SHAPE = {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor"}
+
+
+@dataclass
+class Finding:
+    severity: str  # ERROR, WARNING or INFO
+    code: str  # a key of SECTIONS
+    message: str
+    where: str = ""  # 'file:line' in the reader's code
+
+    @property
+    def section(self):
+        chapter, title = SECTIONS[self.code]
+        return f"chapter {int(chapter[:2])}, “{title}”"
+
+    def line(self):
+        """One line: `file:line: error: what was found [chapter N, “section”]`."""
+        where = f"{self.where}: " if self.where else ""
+        return f"{where}{self.severity}: {self.message} [{self.section}]"
+
+
+def read_records(folder, world_size):
+    """{rank: [record, ...]} from the probe's files in `folder` (a rank that wrote nothing: [])."""
+    records = {}
+    for rank in range(world_size):
+        path = Path(folder) / f"rank-{rank}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        records[rank] = []
+        for line in lines:
+            try:
+                records[rank].append(json.loads(line))
+            except ValueError:  # a line cut short by a rank that was killed
+                pass
+    return records
+
+
+def findings(records, result=None):
+    """Every finding, errors first, then warnings, then what the run was (INFO)."""
+    found = []
+    ranks = sorted(records)
+    if len(ranks) > 1:
+        found += replicas(records)
+        found += loaders(records)
+        found += collectives(records, result)
+    found += files(records)
+    missing = sorted({n for recs in records.values() for r in recs if r["t"] == "missing" for n in r["names"]})
+    if missing:
+        found.append(Finding(WARNING, "run", f"not checked: this torch has no {', '.join(missing)}"))
+    found += [f for f in [the_run(records)] if f is not None]
+    order = {ERROR: 0, WARNING: 1, INFO: 2}
+    return sorted(found, key=lambda f: order[f.severity])
+
+
+def _of(records, kind):
+    return {rank: [r for r in recs if r["t"] == kind] for rank, recs in records.items()}
+
+
+def _ranks(ranks):
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+# ----------------------------------------------------------------- 1. replicas
+
+
+def _differs(a, b):
+    """Index of the first parameter whose checksums differ between lists `a` and `b` (None: none)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x is not None and y is not None and x != y:
+            return i
+    return None
+
+
+def replicas(records):
+    starts, steps = _of(records, "optimizer"), _of(records, "step")
+    found = []
+    first = min(records)
+    for opt_record in starts[first]:
+        opt = opt_record["opt"]
+        if opt_record.get("sharded") and all(s is None for s in opt_record["sums"]):
+            continue  # every parameter sharded (FSDP): no replicas to compare
+        names = opt_record["names"]
+        no_ddp = not opt_record.get("wrappers")
+        cause_code = "no-ddp" if no_ddp else None
+        why_no_ddp = "no DistributedDataParallel or FSDP wraps the model: each rank trains a model of its own"
+        others = {r: next((o for o in starts[r] if o["opt"] == opt), None) for r in records if r != first}
+        for rank, other in others.items():
+            if other is None:
+                continue
+            i = _differs(opt_record["sums"], other["sums"])
+            if i is not None:
+                why = (
+                    why_no_ddp
+                    if no_ddp
+                    else (
+                        "the weights were changed on some ranks after DDP was built (DDP broadcasts rank 0's "
+                        "weights once, at construction: load a checkpoint before wrapping, or on every rank)"
+                    )
+                )
+                found.append(
+                    Finding(
+                        ERROR,
+                        cause_code or "replicas-start",
+                        f"replicas differ before the first optimizer step: parameter {names[i]} on rank {first} "
+                        f"and rank {rank}; {why}",
+                        opt_record["where"],
+                    )
+                )
+                break
+        if found:
+            continue
+        mine = {s["n"]: s for s in steps[first] if s["opt"] == opt}
+        theirs = {r: {s["n"]: s for s in steps[r] if s["opt"] == opt} for r in others}
+        for n in sorted(mine):
+            diverged = [(r, _differs(mine[n]["sums"], t[n]["sums"])) for r, t in theirs.items() if n in t]
+            diverged = [(r, i) for r, i in diverged if i is not None]
+            if diverged:
+                rank, i = diverged[0]
+                why = (
+                    why_no_ddp
+                    if no_ddp
+                    else (
+                        "the usual causes: a branch on the rank that changes the gradients or the update after "
+                        "DDP's all-reduce (a clip, a scale, a skipped step), or gradients synchronised by hand "
+                        "on some ranks only"
+                    )
+                )
+                found.append(
+                    Finding(
+                        ERROR,
+                        cause_code or "replicas-step",
+                        f"replicas differ after optimizer step {n}: first parameter {names[i]}, rank {first} "
+                        f"and rank {rank}; {why}",
+                        mine[n]["where"],
+                    )
+                )
+                break
+    return found
+
+
+# ----------------------------------------------------------------- 2. loaders and samplers
+
+
+def loaders(records):
+    found = []
+    same = _of(records, "same_epoch")
+    seen = {}
+    for rank, recs in same.items():
+        for r in recs:
+            seen.setdefault((r["sampler"], r["where"]), (r, []))[1].append(rank)
+    for (_, where), (r, ranks) in seen.items():
+        found.append(
+            Finding(
+                ERROR,
+                "set-epoch",
+                f"a DistributedSampler gave pass {r['passes']} over its data the same order as an earlier pass "
+                f"(its epoch stayed {r['epoch']} on {_ranks(ranks)}): call sampler.set_epoch(epoch) before "
+                "each epoch",
+                where,
+            )
+        )
+    passes = _of(records, "pass")
+    world = len(records)
+    groups = {}
+    for rank, recs in passes.items():
+        for p in recs:
+            groups.setdefault((p["dataset"], p["pass"]), {})[rank] = p
+    reported = set()
+    for (dataset, number), by_rank in sorted(groups.items(), key=lambda kv: kv[0][1]):
+        if len(by_rank) < 2:
+            continue
+        sets = {r: set(p["indices"]) for r, p in by_rank.items()}
+        union = set().union(*sets.values())
+        repeated = sum(len(s) for s in sets.values()) - len(union)
+        any_p = next(iter(by_rank.values()))
+        distributed = any(p["distributed"] for p in by_rank.values())
+        allowed = max(p["padding"] for p in by_rank.values()) if distributed else world - 1
+        if repeated <= allowed:
+            continue
+        training = any(p["steps"] > 0 for p in by_rank.values())
+        key = (dataset, training)
+        if key in reported:
+            continue
+        reported.add(key)
+        identical = len({frozenset(s) for s in sets.values()}) == 1
+        size = any_p["size"]
+        if identical and not distributed:
+            what = (
+                f"every rank drew the same {len(union)} of the {size} samples of {dataset} in pass {number + 1}: "
+                f"the loader has no DistributedSampler (sampler {any_p['sampler']}), so "
+                + (
+                    "each rank trains on the whole dataset and every sample counts once per rank"
+                    if training
+                    else "each rank evaluates the same samples, and a metric summed over the ranks counts each "
+                    f"{len(by_rank)} times"
+                )
+            )
+        else:
+            pad = f" (the sampler's padding explains at most {allowed})" if distributed else ""
+            what = (
+                f"{repeated} samples of {dataset} were drawn by more than one rank in pass {number + 1}{pad}: "
+                "the ranks' shards overlap (a DistributedSampler given the wrong rank or num_replicas, or "
+                "a hand-made split)"
+            )
+        code = ("no-sampler" if identical and not distributed else "overlap") if training else "eval-overlap"
+        found.append(Finding(ERROR if training else WARNING, code, what, any_p["where"]))
+    return found
+
+
+# ----------------------------------------------------------------- 3. files
+
+
+def files(records):
+    found = []
+    saves = _of(records, "save")
+    by_path = {}
+    for rank, recs in saves.items():
+        for s in recs:
+            by_path.setdefault(s["path"], {}).setdefault(rank, s)
+    for path, by_rank in by_path.items():
+        if len(by_rank) > 1:
+            s = by_rank[min(by_rank)]
+            found.append(
+                Finding(
+                    ERROR,
+                    "same-file",
+                    f"{_ranks(by_rank)} all wrote {_short(path)}: the same file written by several processes at "
+                    "once can end up torn; save from rank 0 alone (if rank == 0:), then a barrier",
+                    s["where"],
+                )
+            )
+    prefixed = {}
+    for recs in saves.values():
+        for s in recs:
+            if s["prefixed"]:
+                prefixed.setdefault(s["path"], s)
+    for path, s in prefixed.items():
+        found.append(
+            Finding(
+                WARNING,
+                "module-prefix",
+                f"the state dict saved to {_short(path)} has DDP's `module.` prefix on every key: a model "
+                "without DDP cannot load it as it is; save model.module.state_dict()",
+                s["where"],
+            )
+        )
+    loads = _of(records, "load")
+    flagged = set()
+    for recs in loads.values():
+        for load in recs:
+            gpus = [loc for loc in load["locations"] if loc.startswith("cuda")]
+            if load["map_location"] or not gpus or (load["path"], load["where"]) in flagged:
+                continue
+            flagged.add((load["path"], load["where"]))
+            found.append(
+                Finding(
+                    ERROR,
+                    "map-location",
+                    f"{_short(load['path'] or 'a checkpoint')} was saved from {', '.join(gpus)} and loaded without "
+                    f"map_location: every rank puts its copy on {gpus[0]} (or fails without a GPU); pass "
+                    "map_location='cpu' or the rank's own device",
+                    load["where"],
+                )
+            )
+    return found
+
+
+def _short(path):
+    try:
+        rel = str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return path
+    return rel
+
+
+# ----------------------------------------------------------------- 4. collectives
+
+
+def collectives(records, result=None):
+    """A collective that a rank never joined, or joined with another operation or shape."""
+    enters = _of(records, "enter")
+    stalls = _of(records, "stall")
+    found = []
+    groups = {}
+    for rank, recs in enters.items():
+        for e in recs:
+            groups.setdefault(tuple(e.get("group") or ()), {}).setdefault(rank, []).append(e)
+    for members, by_rank in groups.items():
+        ranks = sorted(members) if members else sorted(records)
+        for i in range(max(len(v) for v in by_rank.values())):
+            calls = {r: by_rank.get(r, [])[i] for r in ranks if i < len(by_rank.get(r, []))}
+            missing = [r for r in ranks if r not in calls]
+            kinds = {(c["op"], tuple(c.get("shape") or ()), c.get("dtype")) for c in calls.values()}
+            ops = {c["op"] for c in calls.values()}
+            mismatch = len(ops) > 1 or (
+                len(kinds) > 1 and ops <= SAME_SHAPE and all("shape" in c for c in calls.values())
+            )
+            if mismatch:
+                told = "; ".join(f"rank {r}: {_call(c)} at {c['where']}" for r, c in sorted(calls.items()))
+                found.append(
+                    Finding(
+                        ERROR,
+                        "mismatch",
+                        f"collective #{i + 1} does not match across the ranks: {told}",
+                        calls[min(calls)]["where"],
+                    )
+                )
+                return found
+            if missing and (any(stalls.values()) or (result is not None and not result.ok)):
+                waiting = sorted(calls)
+                stalled = [s for r in waiting for s in stalls.get(r, []) if s["n"] == calls[r]["n"]]
+                waited = f", waited {stalled[0]['seconds']:g} s" if stalled else ""
+                c = calls[waiting[0]]
+                absent = "; ".join(_elsewhere(r, by_rank.get(r, []), result) for r in missing)
+                found.append(
+                    Finding(
+                        ERROR,
+                        "never-joined",
+                        f"{_ranks(missing)} never joined collective #{i + 1}, {_call(c)}, that {_ranks(waiting)} "
+                        f"called{waited}: {absent}",
+                        c["where"],
+                    )
+                )
+                return found
+    return found
+
+
+def _call(c):
+    shape = f" of shape {list(c['shape'])} {c.get('dtype', '')}".rstrip() if "shape" in c else ""
+    return f"{c['op']}{shape}"
+
+
+def _elsewhere(rank, calls, result):
+    """Where `rank` was instead: its last collective, and how it ended (from the launch's result)."""
+    last = f"its last was #{len(calls)}, {_call(calls[-1])} at {calls[-1]['where']}" if calls else "it called none"
+    if result is None or rank >= len(result.ranks):
+        return f"rank {rank}: {last}"
+    from lessonlib.view.story import rank_line
+
+    line = rank_line(result, result.ranks[rank])
+    return f"rank {rank} {line.what}" + (f", {line.where}" if line.where else "") + f" ({last})"
+
+
+# ----------------------------------------------------------------- 5. the run
+
+
+def the_run(records):
+    groups = _of(records, "group")
+    starts = _of(records, "optimizer")
+    passes = _of(records, "pass")
+    world = len(records)
+    backend = next((g[0]["backend"] for g in groups.values() if g), None)
+    parts = [f"{world} rank{'s' if world != 1 else ''}", f"backend {backend}" if backend else "no process group"]
+    devices = [(starts[r][0]["device"] if starts.get(r) else None) for r in sorted(records)]
+    if any(devices):
+        shown = devices[0] if len(set(devices)) == 1 else ", ".join(str(d) for d in devices)
+        parts.append(f"device {shown}" + (" on every rank" if len(set(devices)) == 1 and world > 1 else ""))
+    batch = ""
+    per_rank = []
+    for r in sorted(records):
+        train = [p for p in passes.get(r, []) if p["steps"] > 0 and p.get("first_batch")]
+        if train:
+            p = train[0]
+            per_rank.append((p["first_batch"], max(1, round(p["batches"] / p["steps"]))))
+    if per_rank and len(per_rank) == world:
+        sizes, accum = {b for b, _ in per_rank}, {a for _, a in per_rank}
+        total = sum(b * a for b, a in per_rank)
+        size = sizes.pop() if len(sizes) == 1 else "/".join(str(b) for b, _ in per_rank)
+        k = accum.pop() if len(accum) == 1 else "/".join(str(a) for _, a in per_rank)
+        batch = (
+            f"batch {size} per rank x {k} micro-batch{'es' if k != 1 else ''} per step x {world} = global batch {total}"
+        )
+        parts.append(batch)
+    first = starts.get(min(records)) or []
+    if first:
+        parts.append(
+            f"lr {first[0]['lr']:g} ({first[0]['kind']})"
+            if isinstance(first[0]["lr"], (int, float))
+            else first[0]["kind"]
+        )
+    note = ""
+    if batch:
+        note = (
+            "; the global batch changes with the world size unless the script divides by it, and the lr "
+            "goes with the global batch"
+        )
+    return Finding(INFO, "run", "the run: " + ", ".join(parts) + note)
+
+
+# ----------------------------------------------------------------- a GPU the machine lacks
+
+NEEDS_GPU = re.compile(
+    r"Torch not compiled with CUDA enabled|No CUDA GPUs are available|Found no NVIDIA driver|"
+    r"ProcessGroupNCCL is only supported with GPUs|NCCL is not available|CUDA driver initialization failed|"
+    r"Attempting to deserialize object on a CUDA device",
+)
+
+
+def needs_gpu(result):
+    """The first failed rank's error when it says the script needs a GPU, else None."""
+    for r in result.ranks:
+        text = f"{r.error or ''}\n{r.stderr[-4000:]}"
+        m = NEEDS_GPU.search(text)
+        if m:
+            return r, m.group(0)
+    return None
