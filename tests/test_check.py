@@ -65,7 +65,7 @@ def test_each_broken_script_is_flagged_with_its_chapter(script, tmp_path):
     severity, code, where, args, status = GALLERY_CASES[script]
     where = marked(script) if where is None else marked(*where)
     chapter, title = SECTIONS[code]
-    rc, out = check("--quiet", "--stall", "8", "--", GALLERY / script, *[a.format(tmp=tmp_path) for a in args])
+    rc, out = check("--quiet", "--stall", "4", "--", GALLERY / script, *[a.format(tmp=tmp_path) for a in args])
     found = finding_lines(out)
     expected = f"{where}: {severity}: "
     hits = [line for line in found if line.startswith(expected) and f"[chapter {int(chapter[:2])}, “{title}”]" in line]
@@ -134,6 +134,7 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
         (["-n", "0", "--", "lessons/train_ddp.py"], "-n"),
         (["--stall", "0", "--", "lessons/train_ddp.py"], "--stall must be from 1"),
         (["--epochs", "1", "--", "lessons/train_ddp.py"], "unrecognized argument(s) --epochs 1"),
+        (["--list", "--", "lessons/train_ddp.py"], "--list takes no script"),
     ]:
         rc, out = check(*args, timeout=60)
         assert rc == 2 and said in out, (args, out)
@@ -147,7 +148,7 @@ def test_nothing_is_left_behind_after_a_failure_or_ctrl_c(tmp_path):
     tmp.mkdir()
     tag = os.urandom(8).hex()
     env = {**os.environ, "TMPDIR": str(tmp), "TEST_TAG": tag}
-    rc, out = check("--quiet", "--", GALLERY / "shape_mismatch.py", env=env)
+    rc, out = check("--quiet", "--", GALLERY / "no_sampler.py", env=env)
     assert rc == 1, out
     assert not [p for p in tmp.iterdir() if p.name.startswith("lessonlib-check-")], list(tmp.iterdir())
     proc = subprocess.Popen(
@@ -189,7 +190,7 @@ def test_a_dead_checks_folder_is_swept_by_the_next_check(tmp_path):
     left = tmp / f"lessonlib-check-{pid}-1-abc"
     left.mkdir()
     assert owners.owner_in(left.name, "lessonlib-check-") == (pid, 1)
-    rc, out = check("--quiet", "--", GALLERY / "shape_mismatch.py", env={**os.environ, "TMPDIR": str(tmp)})
+    rc, out = check("--quiet", "--", GALLERY / "no_sampler.py", env={**os.environ, "TMPDIR": str(tmp)})
     assert not left.exists(), out
 
 
@@ -206,3 +207,17 @@ def test_every_section_a_finding_names_is_a_heading_of_its_chapter():
         }
         assert title in headings, f"{code}: “{title}” is not a heading of book/{chapter}.ipynb"
         assert Finding("error", code, "x").section.startswith(f"chapter {int(chapter[:2])}, ")
+
+
+@pytest.mark.unit
+def test_every_finding_says_what_it_sees():
+    from lessonlib.check.findings import SEEN
+
+    assert set(SEEN) == set(SECTIONS)
+
+
+def test_the_list_names_every_finding_and_its_section():
+    rc, out = check("--list", timeout=60)
+    assert rc == 0, out
+    for code, (chapter, title) in SECTIONS.items():
+        assert f"{code}: " in out and f"chapter {int(chapter[:2])}, “{title}”" in out, code

@@ -31,6 +31,30 @@ SECTIONS = {
     "needs-gpu": ("11_end_to_end", "Testing your own DDP code without GPUs"),
 }
 
+# finding -> what the check sees, for the table chapter 11 shows (one row per finding)
+SEEN = {
+    "replicas-start": "the parameters differ across ranks before the first optimizer step",
+    "replicas-step": "the parameters differ across ranks after an optimizer step (checksums of every step)",
+    "no-ddp": "the replicas differ and no DDP or FSDP wraps the model",
+    "set-epoch": "a shuffling DistributedSampler starts a second pass with the same epoch",
+    "no-sampler": "every rank draws the same samples of a training loader (no distributed sampler)",
+    "overlap": "samples drawn by more than one rank in a training pass, beyond the sampler's padding",
+    "eval-overlap": "the same, in a pass with no optimizer step (evaluation): a warning",
+    "same-file": "several ranks write the same file with torch.save",
+    "module-prefix": "a saved state dict whose every key starts with `module.`: a warning",
+    "map-location": "torch.load, without map_location, of tensors saved on a GPU",
+    "never-joined": "a collective some rank never calls (a watchdog stops the run after --stall seconds)",
+    "mismatch": "the n-th collective differs across ranks in operation, shape or dtype",
+    "run": "what the run is: ranks, backend, devices, batch per rank and global, lr (always shown)",
+    "needs-gpu": "a script that needs a GPU the machine lacks, said in one line",
+}
+
+
+def listing():
+    """The findings the check looks for, one paragraph each: its name, what it sees, its chapter section."""
+    return "\n".join(f"{code}: {SEEN[code]}\n    {Finding(ERROR, code, '').section}" for code in SEEN)
+
+
 # Collectives whose tensor must have the same shape and dtype on every rank of the group.
 SAME_SHAPE = {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor"}
 

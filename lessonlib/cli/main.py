@@ -249,7 +249,8 @@ def build_parser():
         description="Run a DDP script as torchrun would (2 ranks on CPU with gloo by default), unchanged,\n"
         "with the course's checks loaded into every rank; then one line per finding, with the chapter\n"
         "section that shows that mistake running.",
-        usage="python -m lessonlib check [-n N] [--timeout SECONDS] [--stall SECONDS] [--quiet] -- SCRIPT [ARGS ...]",
+        usage="python -m lessonlib check [-n N] [--timeout SECONDS] [--stall SECONDS] [--quiet] -- SCRIPT [ARGS ...]\n"
+        "       python -m lessonlib check --list",
         epilog=CHECK_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -276,6 +277,9 @@ def build_parser():
         help="a collective that waits longer than this is a hang: the run stops and says who never came (default 30)",
     )
     check.add_argument("--quiet", action="store_true", help="print the findings only, not the ranks' output")
+    check.add_argument(
+        "--list", action="store_true", help="list the findings the check looks for, with their chapters, and exit"
+    )
     sub.add_parser(
         "list",
         help="list every lesson by chapter, with the command that runs it",
@@ -297,6 +301,13 @@ def _stall(text):
 
 def check_command(args, rest, parser):
     """`check`: the script is the first word after `--`; returns the exit status."""
+    if args.list:
+        if rest:
+            raise UsageError("--list takes no script")
+        from ..check.findings import listing
+
+        sys.stdout.write(listing() + "\n")
+        return EXIT_OK
     if not rest:
         raise UsageError("no script: give it after `--`, e.g. python -m lessonlib check -- train.py --epochs 1")
     script, script_args = rest[0], rest[1:]
