@@ -45,6 +45,7 @@ GALLERY_CASES = {
     "replicas_rank_branch.py": ("error", "replicas-step", STEP, [], 1),
     "no_ddp.py": ("error", "no-ddp", None, [], 1),
     "no_set_epoch.py": ("error", "set-epoch", LOADER, [], 1),
+    "new_sampler_each_epoch.py": ("error", "set-epoch", LOADER, [], 1),
     "no_sampler.py": ("error", "no-sampler", LOADER, [], 1),
     "sampler_wrong_rank.py": ("error", "overlap", LOADER, [], 1),
     "eval_without_sampler.py": ("warning", "eval-overlap", None, [], 0),
@@ -81,9 +82,10 @@ def test_each_broken_script_is_flagged_with_its_chapter(script, tmp_path):
     "script, args",
     [("lessons/train_ddp.py", ["--epochs", "2"]), ("lessons/train_fsdp.py", ["--epochs", "2"])],
 )
-def test_the_templates_come_out_clean(script, args):
-    rc, out = check("--quiet", "--", script, *args)
+def test_the_templates_come_out_clean(script, args, tmp_path):
+    rc, out = check("--quiet", "--", script, *args, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert rc == 0, out
+    assert not list(tmp_path.iterdir()), f"left in the temporary folder: {list(tmp_path.iterdir())}"
     assert finding_lines(out) == [line for line in finding_lines(out) if line.startswith("info: ")], out
     assert out.rstrip().endswith("lessonlib check: no findings"), out
     # What the run is: 48 is the templates' global batch (--batch-size), split over the 2 ranks.

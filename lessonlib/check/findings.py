@@ -218,6 +218,31 @@ def loaders(records):
             )
         )
     passes = _of(records, "pass")
+    # A shuffling DistributedSampler made anew for each epoch, never told the epoch, repeats the order too:
+    # two passes over one dataset, in the same order on a rank, when the sampler shuffles.
+    if not seen:
+        for rank, recs in passes.items():
+            shuffled = [p for p in recs if p["distributed"] and p.get("shuffle") and p["steps"] > 0]
+            repeat = next(
+                (
+                    b
+                    for a, b in zip(shuffled, shuffled[1:])
+                    if a["dataset"] == b["dataset"] and a["indices"] == b["indices"]
+                ),
+                None,
+            )
+            if repeat is not None:
+                found.append(
+                    Finding(
+                        ERROR,
+                        "set-epoch",
+                        f"pass {repeat['pass'] + 1} over {repeat['dataset']} drew the same samples in the same order "
+                        f"as the pass before it on rank {rank}, from a shuffling DistributedSampler: call "
+                        "sampler.set_epoch(epoch) before each epoch",
+                        repeat["where"],
+                    )
+                )
+                break
     world = len(records)
     groups = {}
     for rank, recs in passes.items():

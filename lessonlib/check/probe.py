@@ -126,8 +126,10 @@ class Probe:
                 if _is_sharded(t):
                     values.append(None)
                     continue
-                t = getattr(t, "_local_tensor", t).double()
-                values.append(torch.stack([t.sum(), t.abs().sum()]))
+                t = getattr(t, "_local_tensor", t)  # float64 sums, without a float64 copy of the parameter
+                values.append(
+                    torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, 1, dtype=torch.float64)])
+                )
         known = [v for v in values if v is not None]
         flat = torch.stack(known).cpu().tolist() if known else []
         it = iter(flat)
@@ -205,6 +207,7 @@ class Probe:
             "pass": number,
             "sampler": type(sampler).__name__ if sampler is not None else None,
             "distributed": _is_distributed(sampler),
+            "shuffle": bool(getattr(sampler, "shuffle", False)),
             "padding": _padding(sampler),
             "batch_size": loader.batch_size,
             "indices": [],
