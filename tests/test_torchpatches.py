@@ -351,11 +351,16 @@ def test_the_compile_times_guard_names_what_changed():
     )
 
 
-def test_launch_config_asks_no_cuda_while_patched_and_torch_gets_its_function_back(patched, monkeypatch):
+def test_launch_config_asks_no_cuda_while_patched_and_torch_gets_its_function_back(patched, monkeypatch, tmp_path):
     """keep_forks_cuda_free: while LaunchConfig.__post_init__ runs, torch.accelerator.is_available answers
     False without being called; afterwards (and after restore) torch's own function is there again."""
+    import tempfile
+
     import torch
     from torch.distributed.launcher import api
+
+    # LaunchConfig() makes torchrun's torchelastic_* log folder as it is built: in this test's folder, not in /tmp.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     asked = []
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: asked.append(1) or True)

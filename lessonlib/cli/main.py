@@ -120,15 +120,25 @@ def _timeout(text):
     return t
 
 
-def check_script(script, nproc):
-    """(resolved path, nproc to use), or UsageError naming what is wrong and what is allowed."""
-    # As torchrun would read it (from this directory), else from the course root, like lessonlib.launch.
+def python_file(script, hint, not_python):
+    """The file `script` names, found as torchrun would read it (from this directory), else from the course
+    root, like lessonlib.launch; or UsageError: no such file (then `hint`), or not a .py file (`not_python`)."""
     path = find_script(script)
     if path is None:
         where = " or ".join(str(c) for c in script_candidates(script))
-        raise UsageError(f"{script}: no such file ({where}); `python -m lessonlib list` shows the lessons")
+        raise UsageError(f"{script}: no such file ({where}){hint}")
     if path.suffix != ".py":
-        raise UsageError(f"{script}: not a lesson (a lesson is a Python file, lessons/NN_name.py)")
+        raise UsageError(f"{script}: {not_python}")
+    return path
+
+
+def check_script(script, nproc):
+    """(resolved path, nproc to use), or UsageError naming what is wrong and what is allowed."""
+    path = python_file(
+        script,
+        "; `python -m lessonlib list` shows the lessons",
+        "not a lesson (a lesson is a Python file, lessons/NN_name.py)",
+    )
     try:
         command = command_of(path)
     except SyntaxError as e:
@@ -311,12 +321,7 @@ def check_command(args, rest, parser):
     if not rest:
         raise UsageError("no script: give it after `--`, e.g. python -m lessonlib check -- train.py --epochs 1")
     script, script_args = rest[0], rest[1:]
-    path = find_script(script)
-    if path is None:
-        where = " or ".join(str(c) for c in script_candidates(script))
-        raise UsageError(f"{script}: no such file ({where})")
-    if path.suffix != ".py":
-        raise UsageError(f"{script}: not a Python script (SCRIPT is the .py file torchrun would run)")
+    path = python_file(script, "", "not a Python script (SCRIPT is the .py file torchrun would run)")
     from ..check.command import check
 
     status, _, _ = check(path, script_args, args.nproc, args.timeout, args.stall, args.quiet)
