@@ -54,6 +54,7 @@ GALLERY_CASES = {
     "gpu_checkpoint_no_map_location.py": ("error", "map-location", None, ["{tmp}/ckpt.pt"], 1),
     "skips_collective.py": ("error", "never-joined", None, [], 1),
     "shape_mismatch.py": ("error", "mismatch", None, [], 1),
+    "uneven_batches.py": ("error", "uneven", None, [], 1),
 }
 
 

@@ -27,6 +27,7 @@ SECTIONS = {
     "map-location": ("10_checkpointing", "`map_location`"),
     "never-joined": ("12_debugging", "A rank that skips a collective"),
     "mismatch": ("12_debugging", "Collectives that do not match"),
+    "uneven": ("12_debugging", "Uneven inputs"),
     "run": ("06_accumulation_and_lr", "Batch size and learning rate"),
     "needs-gpu": ("11_end_to_end", "Testing your own DDP code without GPUs"),
 }
@@ -45,6 +46,7 @@ SEEN = {
     "map-location": "torch.load, without map_location, of tensors saved on a GPU",
     "never-joined": "a collective some rank never calls (a watchdog stops the run after --stall seconds)",
     "mismatch": "the n-th collective differs across ranks in operation, shape or dtype",
+    "uneven": "a rank in DDP's backward (its gradient all-reduce) that another rank never joins: uneven batches",
     "run": "what the run is: ranks, backend, devices, batch per rank and global, lr (always shown)",
     "needs-gpu": "a script that needs a GPU the machine lacks, said in one line",
 }
@@ -96,10 +98,10 @@ def findings(records, result=None):
     """Every finding, errors first, then warnings, then what the run was (INFO)."""
     found = []
     ranks = sorted(records)
-    if len(ranks) > 1:
-        found += replicas(records)
-        found += loaders(records)
+    if len(ranks) > 1:  # a collective out of step first: it can explain the others (gloo pairs mismatched calls)
         found += collectives(records, result)
+        found += loaders(records)
+        found += replicas(records)
     found += files(records)
     missing = sorted({n for recs in records.values() for r in recs if r["t"] == "missing" for n in r["names"]})
     if missing:
@@ -380,11 +382,13 @@ def collectives(records, result=None):
             )
             if mismatch:
                 told = "; ".join(f"rank {r}: {_call(c)} at {c['where']}" for r, c in sorted(calls.items()))
+                code = "uneven" if "backward" in ops else "mismatch"
                 found.append(
                     Finding(
                         ERROR,
-                        "mismatch",
-                        f"collective #{i + 1} does not match across the ranks: {told}",
+                        code,
+                        f"collective #{i + 1} does not match across the ranks: {told}"
+                        + (UNEVEN if code == "uneven" else ""),
                         calls[min(calls)]["where"],
                     )
                 )
@@ -395,12 +399,13 @@ def collectives(records, result=None):
                 waited = f", waited {stalled[0]['seconds']:g} s" if stalled else ""
                 c = calls[waiting[0]]
                 absent = "; ".join(_elsewhere(r, by_rank.get(r, []), result) for r in missing)
+                code = "uneven" if "backward" in ops else "never-joined"
                 found.append(
                     Finding(
                         ERROR,
-                        "never-joined",
+                        code,
                         f"{_ranks(missing)} never joined collective #{i + 1}, {_call(c)}, that {_ranks(waiting)} "
-                        f"called{waited}: {absent}",
+                        f"called{waited}: {absent}" + (UNEVEN if code == "uneven" else ""),
                         c["where"],
                     )
                 )
@@ -408,7 +413,15 @@ def collectives(records, result=None):
     return found
 
 
+UNEVEN = (
+    "; one rank ran more training steps than another (uneven batches): every rank must run as many DDP "
+    "backwards, so give them equal shards (DistributedSampler pads or trims) or use DDP's join()"
+)
+
+
 def _call(c):
+    if c["op"] == "backward":
+        return "backward (DDP's all-reduce of the gradients)"
     shape = f" of shape {list(c['shape'])} {c.get('dtype', '')}".rstrip() if "shape" in c else ""
     return f"{c['op']}{shape}"
 
@@ -444,7 +457,7 @@ def the_run(records):
         train = [p for p in passes.get(r, []) if p["steps"] > 0 and p.get("first_batch")]
         if train:
             p = train[0]
-            per_rank.append((p["first_batch"], max(1, round(p["batches"] / p["steps"]))))
+            per_rank.append((p["first_batch"], max(1, p.get("per_step") or 1)))
     if per_rank and len(per_rank) == world:
         sizes, accum = {b for b, _ in per_rank}, {a for _, a in per_rank}
         total = sum(b * a for b, a in per_rank)

@@ -8,12 +8,15 @@ compared after the run, by the check (lessonlib.check.findings), not by the rank
 - every optimizer step (torch's global step hooks): a checksum of each parameter the optimizer updates,
   before the first step and after each (replicas that differ: finding 1), with the learning rate;
 - every pass over a DataLoader: the root dataset's indices it drew (through Subset), its batches, the
-  optimizer steps taken meanwhile, and for a DistributedSampler its epoch (finding 2);
+  optimizer steps taken meanwhile, the batches it had handed out by the end of its first step, and for a
+  shuffling DistributedSampler its epoch (finding 2);
 - `torch.save` and `torch.load` of a file: the path, whether a state dict carries DDP's `module.` prefix,
   and where a loaded checkpoint's tensors were saved when no map_location was given (finding 3);
 - every collective called through `torch.distributed`: its operation, shape and dtype, on entry and on
-  return; a watchdog thread ends the rank (exit STALL_EXIT) when one collective has waited longer than
-  DDPCHECK_STALL seconds, after recording where (finding 4);
+  return; and every backward after a DDP forward that synchronises (not under `no_sync`), which ends in
+  DDP's all-reduce of the gradients inside torch's C++ (op "backward"); a watchdog thread ends the rank
+  (exit STALL_EXIT) when one of them has waited longer than DDPCHECK_STALL seconds, after recording
+  where (finding 4);
 - the process group: backend, world size, and each rank's device (finding 5).
 
 Each record says where in the reader's code it was seen: the innermost frame that is not torch's, Python's
@@ -112,6 +115,7 @@ class Probe:
         self.inside = None  # (number, op, entered at, thread id) of the blocking collective in progress
         self.flagged = set()
         self.numbers = itertools.count()  # the ordinals of optimizers and samplers, in order of first use
+        self.ddp_sync = False  # the last DDP forward will all-reduce gradients in the next backward
 
     # ----------------------------------------------------------------- optimizer steps (finding 1, 5)
 
@@ -176,6 +180,7 @@ class Probe:
         n = entry[1]
         for p in self.open_passes.values():
             p["steps"] += 1
+            p.setdefault("per_step", p["yielded"])  # micro-batches of the pass's first step
         if n <= EVERY_STEP_UNTIL or n % STEP_STRIDE == 0:
             lr = optimizer.param_groups[0].get("lr")
             self.record("step", opt=entry[0], n=n, sums=self.sums(optimizer), lr=lr, where=where())
@@ -198,6 +203,8 @@ class Probe:
         number = self.passes.get(fingerprint, 0)
         self.passes[fingerprint] = number + 1
         sampler = _sampler_of(loader)
+        if _is_distributed(sampler) and getattr(sampler, "shuffle", False):
+            self.sampler_pass(sampler)
         key = id(iterator)
         self.close_pass(key)  # persistent workers: the same iterator, reset for a new pass
         weakref.finalize(iterator, self.close_pass, key)
@@ -212,6 +219,7 @@ class Probe:
             "batch_size": loader.batch_size,
             "indices": [],
             "batches": 0,
+            "yielded": 0,  # batches handed to the script (drawn ones include a worker's prefetch)
             "steps": 0,
             "map": mapping,
             "where": where(),
@@ -245,13 +253,14 @@ class Probe:
         for key in list(self.open_passes):
             self.close_pass(key)
 
-    def sampler_iter(self, sampler):
-        """A DistributedSampler starts a pass: its epoch, and whether it is the same as last pass's."""
+    def sampler_pass(self, sampler):
+        """A loader's pass starts with a shuffling DistributedSampler: its epoch, and whether an earlier
+        pass of a loader had the same (iterating the sampler itself, to log its order, is no pass)."""
         entry = self.samplers.get(sampler)
         if entry is None:
             entry = self.samplers[sampler] = [next(self.numbers), []]
         epoch = getattr(sampler, "epoch", None)
-        if getattr(sampler, "shuffle", False) and epoch in entry[1] and ("set_epoch", entry[0]) not in self.flagged:
+        if epoch in entry[1] and ("set_epoch", entry[0]) not in self.flagged:
             self.flagged.add(("set_epoch", entry[0]))
             self.record("same_epoch", sampler=entry[0], epoch=epoch, passes=len(entry[1]) + 1, where=where())
         entry[1].append(epoch)
@@ -443,7 +452,6 @@ def install(folder, rank, stall):
     import torch
     import torch.distributed as dist
     import torch.optim.optimizer as optim
-    from torch.utils.data import DistributedSampler
     from torch.utils.data.dataloader import DataLoader, _BaseDataLoaderIter
 
     probe = Probe(folder, rank, stall)
@@ -483,13 +491,16 @@ def install(folder, rank, stall):
     if next_index is not None:
         _BaseDataLoaderIter._next_index = _next_index
 
-    sampler_iter = DistributedSampler.__iter__
+    next_batch = _BaseDataLoaderIter.__next__
 
-    def sampler_pass(self):
-        probe.sampler_iter(self)
-        return sampler_iter(self)
+    def __next__(self):
+        batch = next_batch(self)
+        p = probe.open_passes.get(id(self))
+        if p is not None:
+            p["yielded"] += 1
+        return batch
 
-    DistributedSampler.__iter__ = sampler_pass
+    _BaseDataLoaderIter.__next__ = __next__
 
     save, load = torch.save, torch.load
 
@@ -517,6 +528,34 @@ def install(folder, rank, stall):
         original = getattr(dist, op, None)
         if original is not None:
             setattr(dist, op, _collective(probe, op, original))
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp_forward = DistributedDataParallel.forward
+
+    def forward(self, *args, **kwargs):
+        # What DDP itself decides in forward: a backward of this output all-reduces the gradients.
+        probe.ddp_sync = torch.is_grad_enabled() and bool(getattr(self, "require_backward_grad_sync", True))
+        return ddp_forward(self, *args, **kwargs)
+
+    DistributedDataParallel.forward = forward
+
+    autograd_backward = torch.autograd.backward
+
+    def backward(*args, **kwargs):
+        if not probe.ddp_sync:
+            return autograd_backward(*args, **kwargs)
+        probe.ddp_sync = False
+        n = probe.entered("backward", (), {})
+        try:
+            result = autograd_backward(*args, **kwargs)
+        except BaseException as e:
+            probe.left(n, e)
+            raise
+        probe.left(n)
+        return result
+
+    torch.autograd.backward = backward
 
     init = dist.init_process_group
 
