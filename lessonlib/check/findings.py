@@ -141,6 +141,8 @@ def replicas(records):
             continue  # every parameter sharded (FSDP): no replicas to compare
         names = opt_record["names"]
         no_ddp = not opt_record.get("wrappers")
+        if not no_ddp and not opt_record.get("in_wrapper", True):
+            continue  # a model of this rank's own beside the DDP one (a reference, a probe): not a replica
         cause_code = "no-ddp" if no_ddp else None
         why_no_ddp = "no DistributedDataParallel or FSDP wraps the model: each rank trains a model of its own"
         others = {r: next((o for o in starts[r] if o["opt"] == opt), None) for r in records if r != first}
@@ -369,6 +371,8 @@ def collectives(records, result=None):
     groups = {}
     for rank, recs in enters.items():
         for e in recs:
+            if e.get("join"):
+                continue  # inside an enabled Join: ranks out of inputs shadow the others' calls, by design
             groups.setdefault(tuple(e.get("group") or ()), {}).setdefault(rank, []).append(e)
     for members, by_rank in groups.items():
         ranks = sorted(members) if members else sorted(records)

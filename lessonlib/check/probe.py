@@ -16,7 +16,7 @@ compared after the run, by the check (lessonlib.check.findings), not by the rank
   return; and every backward after a DDP forward that synchronises (not under `no_sync`), which ends in
   DDP's all-reduce of the gradients inside torch's C++ (op "backward"); a watchdog thread ends the rank
   (exit STALL_EXIT) when one of them has waited longer than DDPCHECK_STALL seconds, after recording
-  where (finding 4);
+  where (finding 4); those inside an enabled `Join` (uneven on purpose) are marked, and not compared;
 - the process group: backend, world size, and each rank's device (finding 5).
 
 Each record says where in the reader's code it was seen: the innermost frame that is not torch's, Python's
@@ -116,6 +116,7 @@ class Probe:
         self.flagged = set()
         self.numbers = itertools.count()  # the ordinals of optimizers and samplers, in order of first use
         self.ddp_sync = False  # the last DDP forward will all-reduce gradients in the next backward
+        self.joining = 0  # inside an enabled Join: a rank out of inputs shadows the others' collectives
 
     # ----------------------------------------------------------------- optimizer steps (finding 1, 5)
 
@@ -150,14 +151,14 @@ class Probe:
                 for name, p in m.named_parameters():
                     self.names[id(p)] = name  # the largest module's names win: the outermost wrapper's
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        return [self.names.get(id(p), f"parameter {i} {tuple(p.shape)}") for i, p in enumerate(params)]
+        return [self.names.get(id(p), f"#{i} of shape {list(p.shape)}") for i, p in enumerate(params)]
 
     def before_step(self, optimizer, args, kwargs):
         if optimizer in self.optimizers:
             return
         self.optimizers[optimizer] = [next(self.numbers), 0]  # not len(): a collected one leaves no gap
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        wrapped = _wrappers()
+        wrapped, inside = _wrappers()
         self.record(
             "optimizer",
             opt=self.optimizers[optimizer][0],
@@ -167,6 +168,7 @@ class Probe:
             device=str(params[0].device) if params else None,
             sharded=any(_is_sharded(p) for p in params),
             wrappers=wrapped,
+            in_wrapper=bool(params) and all(id(p) in inside for p in params),
             sums=self.sums(optimizer),
             where=where(),
         )
@@ -291,6 +293,8 @@ class Probe:
         tensor = _first_tensor(args, kwargs)
         blocking = not kwargs.get("async_op", False)
         fields = {"n": n, "op": op, "where": where(), "blocking": blocking, "group": _group_ranks(args, kwargs)}
+        if self.joining:
+            fields["join"] = True  # uneven on purpose: Join matches them up, and the check does not compare them
         if tensor is not None:
             fields.update(shape=list(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""))
         self.record("enter", **fields)
@@ -348,18 +352,20 @@ def _is_sharded(t):
 
 
 def _wrappers():
-    """Names of the data-parallel wrappers alive now (DistributedDataParallel, FSDP modules)."""
+    """(names of the data-parallel wrappers alive now: DistributedDataParallel, FSDP modules; the ids of
+    the parameters they hold)."""
     import gc
 
     import torch
 
-    found = set()
+    found, inside = set(), set()
     for o in gc.get_objects():
         if isinstance(o, torch.nn.Module):
             name = type(o).__name__
             if name == "DistributedDataParallel" or name.startswith("FSDP") or name == "FullyShardedDataParallel":
                 found.add("FSDP" if "FSDP" in name or "FullySharded" in name else name)
-    return sorted(found)
+                inside.update(id(p) for p in o.parameters())
+    return sorted(found), inside
 
 
 def _root_of(dataset):
@@ -556,6 +562,22 @@ def install(folder, rank, stall):
         return result
 
     torch.autograd.backward = backward
+
+    from torch.distributed.algorithms.join import Join
+
+    join_enter, join_exit = Join.__enter__, Join.__exit__
+
+    def __enter__(self):
+        probe.joining += bool(getattr(self, "_enable", True))
+        return join_enter(self)
+
+    def __exit__(self, *exc):
+        try:
+            return join_exit(self, *exc)
+        finally:
+            probe.joining -= bool(getattr(self, "_enable", True))
+
+    Join.__enter__, Join.__exit__ = __enter__, __exit__
 
     init = dist.init_process_group
 
