@@ -85,10 +85,12 @@ def test_each_broken_script_is_flagged_with_its_chapter(script, tmp_path):
         ("lessons/train_ddp.py", ["--epochs", "2"]),
         ("lessons/train_fsdp.py", ["--epochs", "2"]),
         ("tests/check_gallery/uneven_with_join.py", []),
+        ("tests/check_gallery/zero_optimizer.py", []),
     ],
 )
 def test_the_templates_come_out_clean(script, args, tmp_path):
-    """The templates, and uneven shards trained inside Join (uneven on purpose): no finding."""
+    """The templates, uneven shards trained inside Join (uneven on purpose), and ZeroRedundancyOptimizer
+    (each rank's inner optimizer holds another part of the model): no finding."""
     rc, out = check("--quiet", "--", script, *args, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert rc == 0, out
     assert not list(tmp_path.iterdir()), f"left in the temporary folder: {list(tmp_path.iterdir())}"

@@ -123,80 +123,74 @@ def _ranks(ranks):
 # ----------------------------------------------------------------- 1. replicas
 
 
-def _differs(a, b):
-    """Index of the first parameter whose checksums differ between lists `a` and `b` (None: none)."""
-    for i, (x, y) in enumerate(zip(a, b)):
+def _differs(a, names_a, b, names_b):
+    """The name of the first parameter, in `a`'s order, whose checksums differ between the lists `a` and `b`
+    (None: none). Parameters are matched by name, so a rank whose optimizer holds another part of the model
+    (ZeroRedundancyOptimizer) is compared on what both hold; a tensor in no module ('#3 of shape [8]': a
+    hand-made shard) is no replica and is not compared."""
+    theirs = {n: x for n, x in zip(names_b, b) if not n.startswith("#")}
+    for name, x in zip(names_a, a):
+        y = theirs.get(name)
         if x is not None and y is not None and x != y:
-            return i
+            return name
     return None
+
+
+USUAL_CAUSES = (
+    "the usual causes: a branch on the rank that changes the gradients or the update after DDP's all-reduce "
+    "(a clip, a scale, a skipped step), or gradients synchronised by hand on some ranks only"
+)
+CHANGED_AFTER_DDP = (
+    "the weights were changed on some ranks after DDP was built (DDP broadcasts rank 0's weights once, at "
+    "construction: load a checkpoint before wrapping, or on every rank)"
+)
+NO_DDP = "no DistributedDataParallel or FSDP wraps the model: each rank trains a model of its own"
 
 
 def replicas(records):
     starts, steps = _of(records, "optimizer"), _of(records, "step")
     found = []
     first = min(records)
-    for opt_record in starts[first]:
-        opt = opt_record["opt"]
-        if opt_record.get("sharded") and all(s is None for s in opt_record["sums"]):
-            continue  # every parameter sharded (FSDP): no replicas to compare
-        names = opt_record["names"]
-        no_ddp = not opt_record.get("wrappers")
-        if not no_ddp and not opt_record.get("in_wrapper", True):
+    for mine in starts[first]:
+        opt = mine["opt"]
+        no_ddp = not mine.get("wrappers")
+        if not no_ddp and not mine.get("in_wrapper", True):
             continue  # a model of this rank's own beside the DDP one (a reference, a probe): not a replica
-        cause_code = "no-ddp" if no_ddp else None
-        why_no_ddp = "no DistributedDataParallel or FSDP wraps the model: each rank trains a model of its own"
         others = {r: next((o for o in starts[r] if o["opt"] == opt), None) for r in records if r != first}
+        others = {r: o for r, o in others.items() if o is not None}
+        finding = None
         for rank, other in others.items():
-            if other is None:
-                continue
-            i = _differs(opt_record["sums"], other["sums"])
-            if i is not None:
-                why = (
-                    why_no_ddp
-                    if no_ddp
-                    else (
-                        "the weights were changed on some ranks after DDP was built (DDP broadcasts rank 0's "
-                        "weights once, at construction: load a checkpoint before wrapping, or on every rank)"
-                    )
-                )
-                found.append(
-                    Finding(
-                        ERROR,
-                        cause_code or "replicas-start",
-                        f"replicas differ before the first optimizer step: parameter {names[i]} on rank {first} "
-                        f"and rank {rank}; {why}",
-                        opt_record["where"],
-                    )
+            name = _differs(mine["sums"], mine["names"], other["sums"], other["names"])
+            if name is not None:
+                finding = Finding(
+                    ERROR,
+                    "no-ddp" if no_ddp else "replicas-start",
+                    f"replicas differ before the first optimizer step: parameter {name} on rank {first} and "
+                    f"rank {rank}; {NO_DDP if no_ddp else CHANGED_AFTER_DDP}",
+                    mine["where"],
                 )
                 break
-        if found:
-            continue
-        mine = {s["n"]: s for s in steps[first] if s["opt"] == opt}
-        theirs = {r: {s["n"]: s for s in steps[r] if s["opt"] == opt} for r in others}
-        for n in sorted(mine):
-            diverged = [(r, _differs(mine[n]["sums"], t[n]["sums"])) for r, t in theirs.items() if n in t]
-            diverged = [(r, i) for r, i in diverged if i is not None]
-            if diverged:
-                rank, i = diverged[0]
-                why = (
-                    why_no_ddp
-                    if no_ddp
-                    else (
-                        "the usual causes: a branch on the rank that changes the gradients or the update after "
-                        "DDP's all-reduce (a clip, a scale, a skipped step), or gradients synchronised by hand "
-                        "on some ranks only"
-                    )
-                )
-                found.append(
-                    Finding(
+        if finding is None:
+            at = {r: {s["n"]: s for s in steps[r] if s["opt"] == opt} for r in records}
+            for n in sorted(at[first]):
+                diverged = [
+                    (r, _differs(at[first][n]["sums"], mine["names"], at[r][n]["sums"], other["names"]))
+                    for r, other in others.items()
+                    if n in at[r]
+                ]
+                diverged = [(r, name) for r, name in diverged if name is not None]
+                if diverged:
+                    rank, name = diverged[0]
+                    finding = Finding(
                         ERROR,
-                        cause_code or "replicas-step",
-                        f"replicas differ after optimizer step {n}: first parameter {names[i]}, rank {first} "
-                        f"and rank {rank}; {why}",
-                        mine[n]["where"],
+                        "no-ddp" if no_ddp else "replicas-step",
+                        f"replicas differ after optimizer step {n}: first parameter {name}, rank {first} and rank "
+                        f"{rank}; {NO_DDP if no_ddp else USUAL_CAUSES}",
+                        at[first][n]["where"],
                     )
-                )
-                break
+                    break
+        if finding is not None:
+            found.append(finding)
     return found
 
 

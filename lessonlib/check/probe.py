@@ -105,7 +105,6 @@ class Probe:
         self.stall = stall
         self.steps = 0  # optimizer steps on this rank, all optimizers together
         self.optimizers = weakref.WeakKeyDictionary()  # optimizer -> its ordinal, its step count
-        self.names = {}  # id(parameter) -> name, from the modules alive at the first step
         self.samplers = weakref.WeakKeyDictionary()  # DistributedSampler -> (ordinal, epochs seen)
         self.passes = {}  # dataset fingerprint -> passes so far
         self.open_passes = {}  # id(loader iterator) -> its pass, recorded when the iterator is collected
@@ -141,17 +140,21 @@ class Probe:
         return [next(it) if v is not None else None for v in values]
 
     def param_names(self, optimizer):
+        """Each parameter's name in the largest module alive now that holds it (the outermost wrapper's,
+        `module.0.weight`), found anew for each optimizer: a parameter freed since may have left its id to
+        another. '#3 of shape [8]' for a tensor in no module."""
         import gc
 
         import torch
 
-        if not self.names:
-            modules = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
-            for m in sorted(modules, key=lambda m: sum(1 for _ in m.parameters())):
-                for name, p in m.named_parameters():
-                    self.names[id(p)] = name  # the largest module's names win: the outermost wrapper's
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        return [self.names.get(id(p), f"#{i} of shape {list(p.shape)}") for i, p in enumerate(params)]
+        wanted, names = {id(p) for p in params}, {}
+        modules = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
+        for m in sorted(modules, key=lambda m: sum(1 for _ in m.parameters())):
+            for name, p in m.named_parameters():
+                if id(p) in wanted:
+                    names[id(p)] = name  # the largest module last: its name wins
+        return [names.get(id(p), f"#{i} of shape {list(p.shape)}") for i, p in enumerate(params)]
 
     def before_step(self, optimizer, args, kwargs):
         if optimizer in self.optimizers:
@@ -353,14 +356,15 @@ def _is_sharded(t):
 
 def _wrappers():
     """(names of the data-parallel wrappers alive now: DistributedDataParallel, FSDP modules; the ids of
-    the parameters they hold)."""
+    the parameters they hold). The garbage collector's objects are tested by their type alone: some are
+    weak proxies (torch.compile makes them), and isinstance() on a dead one raises ReferenceError."""
     import gc
 
     import torch
 
     found, inside = set(), set()
     for o in gc.get_objects():
-        if isinstance(o, torch.nn.Module):
+        if issubclass(type(o), torch.nn.Module):
             name = type(o).__name__
             if name == "DistributedDataParallel" or name.startswith("FSDP") or name == "FullyShardedDataParallel":
                 found.add("FSDP" if "FSDP" in name or "FullySharded" in name else name)
