@@ -136,6 +136,14 @@ def _differs(a, names_a, b, names_b):
     return None
 
 
+def _all_differ(a, names_a, b, names_b):
+    """Whether every parameter compared differs: what ranks training models of their own look like. Some
+    equal and some not, without a wrapper, is a model sharded by hand (chapter 15's), not a mistake."""
+    theirs = {n: x for n, x in zip(names_b, b) if not n.startswith("#")}
+    pairs = [(x, theirs[n]) for n, x in zip(names_a, a) if n in theirs and x is not None and theirs[n] is not None]
+    return bool(pairs) and all(x != y for x, y in pairs)
+
+
 USUAL_CAUSES = (
     "the usual causes: a branch on the rank that changes the gradients or the update after DDP's all-reduce "
     "(a clip, a scale, a skipped step), or gradients synchronised by hand on some ranks only"
@@ -161,6 +169,8 @@ def replicas(records):
         finding = None
         for rank, other in others.items():
             name = _differs(mine["sums"], mine["names"], other["sums"], other["names"])
+            if no_ddp and not _all_differ(mine["sums"], mine["names"], other["sums"], other["names"]):
+                name = None
             if name is not None:
                 finding = Finding(
                     ERROR,
@@ -171,12 +181,16 @@ def replicas(records):
                 )
                 break
         if finding is None:
-            at = {r: {s["n"]: s for s in steps[r] if s["opt"] == opt} for r in records}
+            # Steps inside an enabled Join are left out: a rank out of inputs takes none while the others go on.
+            at = {r: {s["n"]: s for s in steps[r] if s["opt"] == opt and not s.get("join")} for r in records}
             for n in sorted(at[first]):
                 diverged = [
                     (r, _differs(at[first][n]["sums"], mine["names"], at[r][n]["sums"], other["names"]))
                     for r, other in others.items()
                     if n in at[r]
+                    and (
+                        not no_ddp or _all_differ(at[first][n]["sums"], mine["names"], at[r][n]["sums"], other["names"])
+                    )
                 ]
                 diverged = [(r, name) for r, name in diverged if name is not None]
                 if diverged:

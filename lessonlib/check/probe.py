@@ -188,7 +188,8 @@ class Probe:
             p.setdefault("per_step", p["yielded"])  # micro-batches of the pass's first step
         if n <= EVERY_STEP_UNTIL or n % STEP_STRIDE == 0:
             lr = optimizer.param_groups[0].get("lr")
-            self.record("step", opt=entry[0], n=n, sums=self.sums(optimizer), lr=lr, where=where())
+            joined = {"join": True} if self.joining else {}  # replicas part inside Join, by design, until its end
+            self.record("step", opt=entry[0], n=n, sums=self.sums(optimizer), lr=lr, where=where(), **joined)
 
     # ----------------------------------------------------------------- loaders and samplers (finding 2)
 
