@@ -552,19 +552,13 @@ def install(folder, rank, stall):
     DistributedDataParallel.forward = forward
 
     autograd_backward = torch.autograd.backward
+    synchronising_backward = _collective(probe, "backward", autograd_backward)
 
     def backward(*args, **kwargs):
         if not probe.ddp_sync:
             return autograd_backward(*args, **kwargs)
         probe.ddp_sync = False
-        n = probe.entered("backward", (), {})
-        try:
-            result = autograd_backward(*args, **kwargs)
-        except BaseException as e:
-            probe.left(n, e)
-            raise
-        probe.left(n)
-        return result
+        return synchronising_backward(*args, **kwargs)
 
     torch.autograd.backward = backward
 
