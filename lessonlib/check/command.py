@@ -18,8 +18,10 @@ import shutil
 import sys
 import tempfile
 
+from ..launcher import runfolder
 from ..processes import owners
 from .findings import ERROR, INFO, WARNING, findings, needs_gpu, read_records
+from .probe import STALL_EXIT
 
 PREFIX = "lessonlib-check-"
 DEFAULT_TIMEOUT = 300.0
@@ -50,7 +52,7 @@ def check(script, args=(), nproc=None, timeout=DEFAULT_TIMEOUT, stall=DEFAULT_ST
     owners.sweep(tempfile.gettempdir(), PREFIX)
     folder = tempfile.mkdtemp(prefix=owners.owned_prefix(PREFIX))
     try:
-        env = {"DDPCHECK_DIR": folder, "DDPCHECK_STALL": str(stall)}
+        env = {runfolder.CHECK_DIR_VAR: folder, runfolder.CHECK_STALL_VAR: str(stall)}
         view = "none" if quiet else TextLiveView(str(script), list(args), nproc, 1)
         try:
             result = launch(script, nproc=nproc, args=list(args), timeout=timeout, env=env, show=view, cwd=os.getcwd())
@@ -78,7 +80,7 @@ def report(found, result, stall, out):
             f"“{said}”); give it a CPU path (gloo) to check it here"
         )
     elif not result.ok:
-        stalled = any(r.exitcode == 86 for r in result.ranks)
+        stalled = any(r.exitcode == STALL_EXIT for r in result.ranks)
         if stalled:
             lines.append(
                 f"lessonlib check: a collective waited more than {stall:g} s (--stall), so the run was stopped"

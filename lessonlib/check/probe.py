@@ -1,8 +1,8 @@
 """What `python -m lessonlib check` loads into every rank before the reader's script runs (lessonlib.check).
 
-`_rank_main` calls `install()` when DDPCHECK_DIR is set. Nothing in the script changes: the probe
-wraps a few of torch's functions and records what it sees, one JSON line per event, in
-CHECK_DIR/rank-R.jsonl. It never adds a collective and never changes a result: the ranks' records are
+`_rank_main` calls `install()` when DDPCHECK_DIR is set (runfolder.CHECK_DIR_VAR). Nothing in the script
+changes: the probe wraps a few of torch's functions and records what it sees, one JSON line per event,
+in CHECK_DIR/rank-R.jsonl. It never adds a collective and never changes a result: the ranks' records are
 compared after the run, by the check (lessonlib.check.findings), not by the ranks.
 
 - every optimizer step (torch's global step hooks): a checksum of each parameter the optimizer updates,
@@ -32,8 +32,6 @@ import threading
 import time
 import weakref
 
-DIR_VAR = "DDPCHECK_DIR"
-STALL_VAR = "DDPCHECK_STALL"
 STALL_EXIT = 86  # a rank the watchdog ended: one collective waited longer than the stall bound
 EVERY_STEP_UNTIL = 200  # steps checksummed one by one; after that, every STEP_STRIDE-th
 STEP_STRIDE = 20

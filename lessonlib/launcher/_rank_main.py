@@ -118,10 +118,10 @@ def main():
     started = time.time()
     runfolder.write_start(run_dir, rank, {"rank": rank, "pid": os.getpid(), "time": started})
     spare = os.open(os.devnull, os.O_RDONLY)  # given back for the exit record (EMFILE)
-    if os.environ.get("DDPCHECK_DIR"):  # `python -m lessonlib check`: its probe, before the script
+    if os.environ.get(runfolder.CHECK_DIR_VAR):  # `python -m lessonlib check`: its probe, before the script
         from lessonlib.check import probe
 
-        probe.install(os.environ["DDPCHECK_DIR"], rank, float(os.environ.get("DDPCHECK_STALL", "30")))
+        probe.install(os.environ[runfolder.CHECK_DIR_VAR], rank, float(os.environ[runfolder.CHECK_STALL_VAR]))
 
     record = {"rank": rank, "pid": os.getpid(), "start": started}
     try:

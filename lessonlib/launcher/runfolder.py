@@ -32,6 +32,10 @@ BACKEND_VAR = "LESSONLIB_BACKEND"  # launch(backend=...): the backend lessonlib.
 # there: lessonlib.launcher.torchpatches.bind_store_servers), and the variables that pin gloo and NCCL
 # to the loopback interface.
 STORES_ON_VAR = "LESSONLIB_STORES_ON"
+# `python -m lessonlib check` (lessonlib.check): the folder of the probe's records, and its stall bound in
+# seconds. Set through launch(env=...), which keeps LESSONLIB_* to itself: hence another prefix.
+CHECK_DIR_VAR = "DDPCHECK_DIR"
+CHECK_STALL_VAR = "DDPCHECK_STALL"
 INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 STREAMS = ("stdout", "stderr")
 
